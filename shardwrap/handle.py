@@ -1,0 +1,257 @@
+"""The unit handle: the lifecycle of one unit's flat parameter.
+
+A handle owns the sharded flat parameter (a ``Shard(0)`` DTensor), the per-parameter views the
+optimizer sees, and the unsharded buffer that exists only between ``unshard`` and ``reshard``.
+It knows how to all-gather, reshard and reduce-scatter its own data; *when* to do so is decided
+by the hooks in ``sharded_module.py``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardwrap import collectives
+from shardwrap.flat_param import FlatLayout
+
+
+class DataState(Enum):
+    """Where a unit's parameters live right now."""
+
+    SHARDED = auto()  # only the flat shard is allocated
+    UNSHARDED = auto()  # the padded unsharded buffer holds the full parameters
+
+
+class TrainingState(Enum):
+    """Which phase a unit (or the whole wrapped model) is in."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
+
+
+def _alias(storage_owner: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A tensor over ``storage_owner``'s storage with its *own* version counter.
+
+    Refilling the unsharded buffer after autograd saved views of it must not bump the version
+    counter those views carry (design/notes/freeing-unsharded-storage.md).
+    """
+    alias = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    return alias.set_(storage_owner.untyped_storage(), offset, (numel,), (1,))
+
+
+class UnitHandle:
+    """One unit: its flat shard, its unsharded buffer, and the transitions between them."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        index: int,
+        unit_names: Sequence[str],
+        params: Sequence[torch.Tensor],
+        fqns: Sequence[str],
+        slots: Sequence[Sequence[Slot]],
+        mesh: DeviceMesh,
+    ) -> None:
+        """Shard ``params`` (full and already identical on every rank) over ``mesh``.
+
+        Postcondition: every slot holds the sharded parameter; the unsharded buffer is freed.
+        """
+        self.name = name
+        self.index = index
+        self._unit_names = unit_names
+        self.mesh = mesh
+        self.group: dist.ProcessGroup = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.world_size = mesh.size()
+        self.slots = [list(s) for s in slots]
+        self.layout = FlatLayout(fqns, params, self.world_size)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.dtype = params[0].dtype if params else torch.float32
+        self.data_state = DataState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.on_grad_ready: Callable[[UnitHandle], None] = lambda handle: None
+
+        layout, S = self.layout, self.layout.shard_numel
+        # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
+        self._sharded_storage = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+        self.sharded_local = self._sharded_storage.narrow(0, 0, S)
+        with torch.no_grad():
+            layout.fill_shard_from_full([p.detach() for p in params], self.sharded_local, self.rank)
+            self._sharded_storage[S] = float(index)
+        self.sharded_flat = DTensor.from_local(
+            self.sharded_local, mesh, [Shard(0)], run_check=False, shape=(self.world_size * S,), stride=(1,)
+        )
+        self.sharded_params = [
+            nn.Parameter(view, requires_grad=slot.requires_grad)
+            for view, slot in zip(layout.sharded_views(self.sharded_local, self.rank), layout.slots)
+        ]
+
+        # Unsharded buffer, allocated now to create the aliases, then freed.
+        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.dtype, device=self.device)
+        n_trainable = layout.padded_trainable_numel
+        self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
+        self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
+        if layout.num_trainable:
+            self.unsharded_trainable.requires_grad_(True)
+            self.unsharded_trainable.register_post_accumulate_grad_hook(self._post_accumulate_grad)
+        self._free_unsharded()
+        self._packed_grad: torch.Tensor | None = None
+        self.install_sharded_params()
+
+    # ---- properties ---------------------------------------------------------------------------
+
+    @property
+    def has_trainable(self) -> bool:
+        return self.layout.num_trainable > 0
+
+    def _where(self) -> str:
+        return f"rank {dist.get_rank()}, unit '{self.name}'"
+
+    # ---- data-state transitions ---------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """All-gather the flat shard into the unsharded buffer (ONE collective).
+
+        Precondition: SHARDED. Postcondition: UNSHARDED, every parameter's full value readable
+        through ``unsharded_views``.
+        """
+        if self.data_state is DataState.UNSHARDED:
+            return
+        layout, W = self.layout, self.world_size
+        if not layout.slots:
+            self.data_state = DataState.UNSHARDED
+            return
+        storage = self._padded_unsharded.untyped_storage()
+        storage.resize_(layout.padded_unsharded_numel * self._padded_unsharded.element_size())
+        gathered = torch.empty(W * (layout.shard_numel + 1), dtype=self.dtype, device=self.device)
+        collectives.all_gather(gathered, self._sharded_storage, self.group)
+        self._check_tags(gathered)
+        with torch.no_grad():
+            layout.copy_gathered_to_unsharded(gathered, self._padded_unsharded)
+        self.data_state = DataState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer. Postcondition: SHARDED."""
+        if self.data_state is DataState.SHARDED:
+            return
+        self._free_unsharded()
+        self.data_state = DataState.SHARDED
+
+    def _free_unsharded(self) -> None:
+        # Autograd may still hold views of this storage; shrinking the storage (not dropping the
+        # tensor) frees the memory and keeps those views valid for the next unshard.
+        self._padded_unsharded.untyped_storage().resize_(0)
+
+    def _check_tags(self, gathered: torch.Tensor) -> None:
+        """Raise if ranks gathered different units (their forwards ran different units)."""
+        if self.device.type != "cpu":
+            return  # reading the tags would synchronize the GPU stream on every unshard
+        S = self.layout.shard_numel
+        tags = gathered.view(self.world_size, S + 1)[:, S].tolist()
+        mine = self._sharded_storage[S].item()
+        if any(t != mine for t in tags):
+            names = [self._unit_names[int(t)] if 0 <= int(t) < len(self._unit_names) else f"#{t}" for t in tags]
+            by_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
+            raise RuntimeError(
+                f"shardwrap: ranks disagree on which unit to all-gather ({by_rank}). Every rank must "
+                f"run the same wrapped units in the same order in forward; move data-dependent "
+                f"branches inside one unit, or run every branch on every rank."
+            )
+
+    # ---- module slots -------------------------------------------------------------------------
+
+    def install_unsharded_views(self) -> None:
+        """Point every slot at a fresh full-shape view of the unsharded buffer."""
+        views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
+        for view, slots in zip(views, self.slots):
+            for module, attr in slots:
+                module._parameters[attr] = view  # a plain tensor here: see design/architecture.md
+
+    def install_sharded_params(self) -> None:
+        """Point every slot back at its sharded parameter (what the optimizer and users see)."""
+        for param, slots in zip(self.sharded_params, self.slots):
+            for module, attr in slots:
+                module._parameters[attr] = param
+
+    # ---- gradients ----------------------------------------------------------------------------
+
+    def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
+        """post_backward: pack the unsharded gradient for the reduce-scatter and free it."""
+        grad = leaf.grad
+        leaf.grad = None
+        if grad is None:
+            return
+        layout, W = self.layout, self.world_size
+        packed = self._packed_grad
+        if packed is None:
+            packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.dtype, device=self.device)
+            layout.pack_for_reduce_scatter(grad, packed)
+            packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
+            self._packed_grad = packed
+        else:
+            extra = torch.empty_like(packed)
+            layout.pack_for_reduce_scatter(grad, extra)
+            packed.view(W, -1).narrow(1, 0, layout.grad_shard_numel).add_(
+                extra.view(W, -1).narrow(1, 0, layout.grad_shard_numel)
+            )
+        del grad
+        self.on_grad_ready(self)
+
+    @property
+    def grad_ready(self) -> bool:
+        return self._packed_grad is not None
+
+    def reduce_grad(self) -> None:
+        """Reduce-scatter the packed gradient and add this rank's average into the sharded grads.
+
+        A rank whose backward did not reach this unit contributes zeros. If no rank reached it,
+        its gradients are left untouched (``None`` stays ``None``), as in plain PyTorch.
+        """
+        layout, W, S = self.layout, self.world_size, self.layout.grad_shard_numel
+        packed = self._packed_grad
+        self._packed_grad = None
+        used_here = packed is not None
+        if packed is None:
+            packed = torch.zeros(W * (S + 1), dtype=self.dtype, device=self.device)
+        reduced = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+        collectives.reduce_scatter(reduced, packed, self.group)
+        del packed
+        if not used_here and reduced[S].item() == 0:
+            return
+        sharded_grad = reduced.narrow(0, 0, S)
+        sharded_grad.div_(W)
+        n = layout.num_trainable
+        views = layout.sharded_views(sharded_grad, self.rank, n)
+        for param, view in zip(self.sharded_params[:n], views):
+            if param.grad is None:
+                param.grad = view
+            else:
+                param.grad += view
+
+    # ---- full tensors (state dicts) -----------------------------------------------------------
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's full value, as new tensors (one all-gather; the unit's state is
+        untouched)."""
+        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
+        if not layout.slots:
+            return []
+        gathered = torch.empty(W * (S + 1), dtype=self.dtype, device=self.device)
+        collectives.all_gather(gathered, self._sharded_storage, self.group)
+        rows = gathered.view(W, S + 1)
+        fulls = []
+        for s in layout.slots:
+            block = rows.narrow(1, s.shard_offset, s.chunk_numel).reshape(W * s.rows_per_rank, s.inner)
+            fulls.append(block.narrow(0, 0, s.dim0).reshape(s.shape).clone())
+        return fulls

@@ -1,0 +1,467 @@
+"""``ShardedModule``: the wrapper, its units, and the hooks that drive them.
+
+Reading order: ``__init__`` plans the units (pure, may raise), then builds one ``UnitHandle``
+per unit. ``_pre_forward``/``_post_forward`` run around each unit's forward; ``_pre_backward``
+runs when the first gradient reaches a unit's outputs; the handle's post-accumulate-grad hook is
+post_backward; ``_finish_backward`` is queued once per backward and runs after it.
+See design/architecture.md for the whole data path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardwrap import collectives
+from shardwrap.handle import DataState, Slot, TrainingState, UnitHandle
+from shardwrap.wrap import PolicyLike, as_policy
+
+# Every module that belongs to a wrapped tree, to refuse wrapping twice.
+_MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
+_RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_optimizer_hook_installed = False
+
+
+# ---- planning (pure: reads the module tree, changes nothing) ----------------------------------
+
+
+@dataclass
+class _UnitPlan:
+    module: nn.Module
+    name: str  # qualified name of the unit's module, "" for the root
+    parent: "_UnitPlan | None"
+    depth: int
+    params: list[nn.Parameter] = field(default_factory=list)
+    fqns: list[str] = field(default_factory=list)
+    slots: list[list[Slot]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
+
+
+def _lowest_common_ancestor(units: list[_UnitPlan]) -> _UnitPlan:
+    def chain(u: _UnitPlan | None) -> list[_UnitPlan]:
+        out = []
+        while u is not None:
+            out.append(u)
+            u = u.parent
+        return out[::-1]
+
+    chains = [chain(u) for u in units]
+    lca = chains[0][0]
+    for level in zip(*chains):
+        if all(u is level[0] for u in level):
+            lca = level[0]
+        else:
+            break
+    return lca
+
+
+def _plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[_UnitPlan]:
+    """Assign every parameter to exactly one unit: the lowest unit that encloses all its uses."""
+    starts = {id(m) for m in unit_modules}
+    units: list[_UnitPlan] = []
+    uses: dict[int, tuple[nn.Parameter, str, list[tuple[_UnitPlan, Slot]]]] = {}
+    visited: set[tuple[int, int]] = set()
+
+    def visit(module: nn.Module, prefix: str, unit: _UnitPlan | None) -> None:
+        if unit is None or (id(module) in starts and module is not unit.module):
+            unit = _UnitPlan(module, prefix, unit, 0 if unit is None else unit.depth + 1)
+            units.append(unit)
+        key = (id(module), id(unit))
+        if key in visited:  # the same module reached twice through one unit
+            return
+        visited.add(key)
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}.{attr}" if prefix else attr
+            entry = uses.setdefault(id(param), (param, fqn, []))
+            entry[2].append((unit, (module, attr)))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}.{child_name}" if prefix else child_name, unit)
+
+    visit(root, "", None)
+    for param, fqn, param_uses in uses.values():
+        owner = _lowest_common_ancestor([u for u, _ in param_uses])
+        slots: list[Slot] = []
+        for _, slot in param_uses:
+            if not any(slot[0] is m and slot[1] == a for m, a in slots):
+                slots.append(slot)
+        owner.params.append(param)
+        owner.fqns.append(fqn)
+        owner.slots.append(slots)
+    for unit in units:  # trainable first: the gradient layout is a prefix (flat_param.py)
+        order = sorted(range(len(unit.params)), key=lambda i: not unit.params[i].requires_grad)
+        unit.params = [unit.params[i] for i in order]
+        unit.fqns = [unit.fqns[i] for i in order]
+        unit.slots = [unit.slots[i] for i in order]
+    return [u for u in units if u.params or u.parent is None]
+
+
+def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
+    """Every unit's parameters share one device and dtype; all units share one device."""
+    device: torch.device | None = None
+    first = ""
+    for unit in units:
+        for fqn, p in zip(unit.fqns, unit.params):
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on the meta device; "
+                    f"materialize the model (for example with module.to_empty(device=...) and "
+                    f"reset_parameters()) before wrapping"
+                )
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} has dtype {p.dtype}; "
+                    f"only floating-point parameters can be sharded: register it as a buffer instead"
+                )
+            if p.dtype != unit.params[0].dtype:
+                raise TypeError(
+                    f"ShardedModule: unit {unit.label} mixes dtypes: '{unit.fqns[0]}' is "
+                    f"{unit.params[0].dtype} but '{fqn}' is {p.dtype}. Cast the module to one dtype "
+                    f"(use MixedPrecision for low-precision compute), or put '{fqn}' in its own unit"
+                )
+            if device is None:
+                device, first = p.device, fqn
+            elif p.device != device:
+                raise ValueError(
+                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on {p.device} but "
+                    f"'{first}' is on {device}; move the whole model to one device (this rank's "
+                    f"cpu or cuda:LOCAL_RANK) before wrapping"
+                )
+    return device or torch.device("cpu")
+
+
+def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"ShardedModule: mesh={mesh!r} is not a torch.distributed DeviceMesh")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"ShardedModule: mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; shardwrap shards over "
+            f"a 1-D mesh: pass one axis of it, such as mesh['dp']"
+        )
+    if mesh.device_type != device.type:
+        raise ValueError(
+            f"ShardedModule: mesh is on device type '{mesh.device_type}' but the model's parameters "
+            f"are on {device}; build the mesh with init_device_mesh('{device.type}', ...)"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"ShardedModule: rank {dist.get_rank()} is not part of the given mesh {mesh}")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"ShardedModule: mesh has {mesh.size()} ranks but the default process group has "
+            f"{dist.get_world_size()}; pass a mesh over every rank, or leave mesh=None"
+        )
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_in(item)]
+    if isinstance(obj, dict):  # includes HF ModelOutput, an OrderedDict
+        return [t for item in obj.values() for t in _tensors_in(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
+    return []
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = _RETIRED_PARAMS.get(p)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter '{name}' from before ShardedModule "
+                    f"wrapped the model; it never receives a gradient. Build the optimizer after "
+                    f"wrapping, from model.parameters()"
+                )
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+class ShardedModule(nn.Module):
+    """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default).
+
+    The module tree is not rewritten: ``named_parameters()``, ``named_modules()`` and
+    ``state_dict()`` use the unwrapped model's names, and attribute access falls through to
+    ``module``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        auto_wrap_policy: PolicyLike = None,
+        stage: int = 3,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        # --- validate everything before changing any state ---
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ShardedModule needs an initialized process group: call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the "
+                "environment it reads)"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedModule: expected an nn.Module to wrap, got {type(module).__name__}")
+        for name, sub in module.named_modules():
+            if isinstance(sub, ShardedModule) or sub in _MANAGED_MODULES:
+                where = f"submodule '{name}'" if name else "the module"
+                raise ValueError(
+                    f"ShardedModule: {where} ({type(sub).__name__}) is already wrapped. Wrap the "
+                    f"outermost model once and choose inner units with auto_wrap_policy"
+                )
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"ShardedModule: stage={stage!r} is not a ZeRO stage; use 1, 2 or 3")
+        policy = as_policy(auto_wrap_policy)
+        unit_modules = policy.select(module) if policy is not None else []
+        plans = _plan_units(module, unit_modules)
+        device = _check_unit_tensors(plans)
+        if mesh is not None:
+            _check_mesh(mesh, device)
+
+        # --- build ---
+        super().__init__()
+        self.module = module
+        self.stage = stage
+        self.mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+        group = self.mesh.get_group()
+        if self.mesh.size() > 1:
+            self._broadcast_from_first_rank(plans, group)
+        names = [p.name or "<root>" for p in plans]
+        self._handles = [
+            UnitHandle(name=names[i], index=i, unit_names=names, params=p.params, fqns=p.fqns, slots=p.slots, mesh=self.mesh)
+            for i, p in enumerate(plans)
+        ]
+        # id(sharded param) -> (handle, slot index), for state dicts
+        self._param_index: dict[int, tuple[UnitHandle, int]] = {}
+        for handle, plan in zip(self._handles, plans):
+            handle.on_grad_ready = self._post_backward
+            for i, (old, new) in enumerate(zip(plan.params, handle.sharded_params)):
+                self._param_index[id(new)] = (handle, i)
+                _RETIRED_PARAMS[old] = plan.fqns[i]
+            plan.module.register_forward_pre_hook(self._make_pre_forward(handle), prepend=True)
+            plan.module.register_forward_hook(self._make_post_forward(handle))
+        for sub in module.modules():
+            _MANAGED_MODULES.add(sub)
+        global _optimizer_hook_installed
+        if not _optimizer_hook_installed:
+            register_optimizer_step_pre_hook(_check_optimizer_params)
+            _optimizer_hook_installed = True
+
+        self._state = TrainingState.IDLE
+        self._forward_order: list[UnitHandle] = []
+        self._expect_backward = False
+        self._reduce_order: list[UnitHandle] = []
+        self._reduce_pos = 0
+
+    @staticmethod
+    def _broadcast_from_first_rank(plans: list[_UnitPlan], group: dist.ProcessGroup) -> None:
+        """Make every rank hold the first rank's parameters and buffers (one collective per unit,
+        one per buffer dtype)."""
+        with torch.no_grad():
+            for plan in plans:
+                if plan.params:
+                    flat = torch.cat([p.detach().reshape(-1) for p in plan.params])
+                    collectives.broadcast(flat, group)
+                    for p, piece in zip(plan.params, flat.split([p.numel() for p in plan.params])):
+                        p.copy_(piece.view_as(p))
+            buffers = [b for b in plans[0].module.buffers()]
+            for dtype in {b.dtype for b in buffers}:
+                same = [b for b in buffers if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in same])
+                collectives.broadcast(flat, group)
+                for b, piece in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(piece.view_as(b))
+
+    # ---- the original names -------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def units(self) -> list[UnitHandle]:
+        """The units in pre-order, root first."""
+        return list(self._handles)
+
+    # ---- forward hooks ------------------------------------------------------------------------
+
+    def _make_pre_forward(self, handle: UnitHandle):  # type: ignore[no-untyped-def]
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if handle.index == 0:
+                self._root_pre_forward()
+            if handle not in self._forward_order:
+                self._forward_order.append(handle)
+            handle.training_state = TrainingState.FORWARD
+            handle.unshard()
+            handle.install_unsharded_views()
+
+        return pre_forward
+
+    def _make_post_forward(self, handle: UnitHandle):  # type: ignore[no-untyped-def]
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            handle.install_sharded_params()
+            handle.training_state = TrainingState.IDLE
+            wants_grad = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+            if wants_grad:
+                register_multi_grad_hook(wants_grad, lambda grads: self._pre_backward(handle), mode="any")
+                self._expect_backward = True
+            if self.stage == 3:
+                handle.reshard()
+            if handle.index == 0 and not self._expect_backward:
+                for h in self._handles:  # nothing will run backward: leave nothing unsharded
+                    h.reshard()
+            return output
+
+        return post_forward
+
+    def _root_pre_forward(self) -> None:
+        if self._state is TrainingState.BACKWARD:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: ShardedModule forward called during backward; "
+                f"activation checkpointing with recomputation is not supported yet"
+            )
+        if not self._expect_backward:
+            self._forward_order.clear()
+
+    # ---- backward hooks -----------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if self._state is TrainingState.BACKWARD:
+            return
+        self._state = TrainingState.BACKWARD
+        # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
+        # this engine call too (design/notes/end-of-backward.md).
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._reduce_order = [h for h in reversed(self._forward_order) if h.has_trainable]
+        self._reduce_pos = 0
+
+    def _pre_backward(self, handle: UnitHandle) -> None:
+        self._begin_backward()
+        handle.unshard()
+        handle.training_state = TrainingState.BACKWARD
+
+    def _post_backward(self, handle: UnitHandle) -> None:
+        self._begin_backward()
+        if self.stage >= 2:
+            handle.reshard()
+        handle.training_state = TrainingState.IDLE
+        self._flush_reductions()
+
+    def _flush_reductions(self) -> None:
+        """Reduce-scatter ready units in the agreed order (reverse forward order), never out of
+        it, so every rank issues the same collectives in the same sequence."""
+        order = self._reduce_order
+        while self._reduce_pos < len(order) and order[self._reduce_pos].grad_ready:
+            order[self._reduce_pos].reduce_grad()
+            self._reduce_pos += 1
+
+    def _finish_backward(self) -> None:
+        """End of backward: finish every reduction (zeros for units this rank's backward did not
+        reach) and reshard every unit, whatever the graph did."""
+        for handle in self._reduce_order[self._reduce_pos :]:
+            handle.reduce_grad()
+        for handle in self._handles:
+            if handle.grad_ready:  # a unit outside the recorded forward order
+                handle.reduce_grad()
+            if self.stage >= 2:
+                handle.reshard()
+            handle.training_state = TrainingState.IDLE
+        self._reduce_order, self._reduce_pos = [], 0
+        self._forward_order.clear()
+        self._expect_backward = False
+        self._state = TrainingState.IDLE
+
+    # ---- state dicts --------------------------------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        if self._state is not TrainingState.IDLE or any(h.training_state is not TrainingState.IDLE for h in self._handles):
+            raise RuntimeError(f"rank {dist.get_rank()}: {what} called during forward or backward; call it between steps")
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        """``{original name: DTensor(Shard(0))}`` for parameters, plain tensors for buffers.
+
+        Built from views of the local shards: no communication.
+        """
+        self._check_idle("state_dict")
+        sd = self.module.state_dict(prefix=prefix, keep_vars=True)
+        out: dict[str, Any] = {}
+        for key, value in sd.items():
+            found = self._param_index.get(id(value))
+            if found is None:
+                out[key] = value if keep_vars else value.detach()
+                continue
+            handle, i = found
+            slot = handle.layout.slots[i]
+            local = handle.sharded_params[i] if keep_vars else handle.sharded_params[i].detach()
+            out[key] = DTensor.from_local(
+                local, self.mesh, [Shard(0)], run_check=False, shape=slot.shape, stride=_contiguous_stride(slot.shape)
+            )
+        return out
+
+    def full_state_dict(self, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+        """``{original name: full tensor}``, gathered one unit at a time.
+
+        With ``rank0_only`` the other ranks return ``{}``. The keys are exactly those of the
+        unwrapped model's ``state_dict()``, tied names and buffers included.
+        """
+        self._check_idle("full_state_dict")
+        keep = not rank0_only or dist.get_rank() == 0
+        full_by_id: dict[int, torch.Tensor] = {}
+        for handle in self._handles:
+            fulls = handle.gather_full()
+            if keep:
+                for param, full in zip(handle.sharded_params, fulls):
+                    full_by_id[id(param)] = full.cpu() if cpu_offload else full
+        if not keep:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            full = full_by_id.get(id(value))
+            if full is None:
+                full = value.detach().cpu().clone() if cpu_offload else value.detach().clone()
+            out[key] = full
+        return out
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))

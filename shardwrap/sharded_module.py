@@ -78,10 +78,16 @@ def _plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[_UnitPla
     uses: dict[int, tuple[nn.Parameter, str, list[tuple[_UnitPlan, Slot]]]] = {}
     visited: set[tuple[int, int]] = set()
 
+    by_module: dict[int, _UnitPlan] = {}
+
     def visit(module: nn.Module, prefix: str, unit: _UnitPlan | None) -> None:
         if unit is None or (id(module) in starts and module is not unit.module):
-            unit = _UnitPlan(module, prefix, unit, 0 if unit is None else unit.depth + 1)
-            units.append(unit)
+            if id(module) in by_module:  # a unit module registered at two places in the tree
+                unit = by_module[id(module)]
+            else:
+                unit = _UnitPlan(module, prefix, unit, 0 if unit is None else unit.depth + 1)
+                by_module[id(module)] = unit
+                units.append(unit)
         key = (id(module), id(unit))
         if key in visited:  # the same module reached twice through one unit
             return

@@ -1,0 +1,187 @@
+"""Models the tests build. Everything here is top-level so ranks can rebuild it by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    """A residual MLP block: the usual unit in these tests."""
+
+    def __init__(self, dim: int, hidden: int | None = None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden or 2 * dim)
+        self.down = nn.Linear(hidden or 2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def mlp(dim: int = 16, depth: int = 3, out: int = 5) -> nn.Module:
+    return MLP(dim, depth, out)
+
+
+def gpt2(n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 96, n_positions: int = 16) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config)
+
+
+def gpt2_block_class() -> type:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return GPT2Block
+
+
+def marked_unit(module: nn.Module) -> bool:
+    """Wrap policy for generated trees: the builder marks the modules that start a unit."""
+    return bool(getattr(module, "unit_mark", False))
+
+
+# ---- generated module trees (hypothesis) ---------------------------------------------------------
+#
+# A spec is nested tuples. Leaves map (B, T, D) -> (B, T, D):
+#   ("linear", bias, frozen, unit)   x + tanh(Linear(D, D)(x))
+#   ("norm", frozen, unit)           LayerNorm(D)
+#   ("conv", kernel, frozen, unit)   x + Conv1d(D, D, kernel, padding="same") over T
+#   ("embed", rows, frozen, unit)    x + Embedding(rows, D)(arange(T) % rows)   (rows may be < W)
+#   ("zero", unit)                   a zero-size parameter that joins the graph
+#   ("tie", j, unit)                 a Linear sharing the weight Parameter of the j-th linear so far
+#   ("reuse", j)                     the j-th leaf module so far, registered and called again
+# Containers: ("seq" | "list" | "dict", [children], unit).
+
+
+class Residual(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.layer(x))
+
+
+class ConvT(nn.Module):
+    def __init__(self, dim: int, kernel: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, kernel, padding="same")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # (B, T, D) <-> (B, D, T)
+
+
+class EmbedAdd(nn.Module):
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(x.shape[1]) % self.emb.num_embeddings
+        return x + self.emb(idx)
+
+
+class ZeroSize(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.empty.sum()
+
+
+class ListStack(nn.Module):
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.items = nn.ModuleList(children)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for item in self.items:
+            x = item(x)
+        return x
+
+
+class DictStack(nn.Module):
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.items = nn.ModuleDict({f"k{i}": c for i, c in enumerate(children)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for item in self.items.values():
+            x = item(x)
+        return x
+
+
+def tree(spec: Any, dim: int = 8) -> nn.Module:
+    linears: list[nn.Linear] = []
+    leaves: list[nn.Module] = []
+
+    def freeze(module: nn.Module, frozen: bool) -> nn.Module:
+        for p in module.parameters():
+            p.requires_grad_(not frozen)
+        return module
+
+    def build(node: Any) -> nn.Module:
+        kind = node[0]
+        if kind in ("seq", "list", "dict"):
+            children = [build(c) for c in node[1]]
+            module: nn.Module = {"seq": nn.Sequential, "list": ListStack, "dict": DictStack}[kind](
+                *([children] if kind != "seq" else children)
+            )
+            module.unit_mark = node[2]
+            return module
+        if kind == "reuse":
+            return leaves[node[1] % len(leaves)] if leaves else build(("norm", False, False))
+        if kind == "linear":
+            lin = nn.Linear(dim, dim, bias=node[1])
+            linears.append(lin)
+            module = freeze(Residual(lin), node[2])
+        elif kind == "norm":
+            module = freeze(nn.LayerNorm(dim), node[1])
+        elif kind == "conv":
+            module = freeze(ConvT(dim, node[1]), node[2])
+        elif kind == "embed":
+            module = freeze(EmbedAdd(node[1], dim), node[2])
+        elif kind == "zero":
+            module = ZeroSize(dim)
+        elif kind == "tie":
+            lin = nn.Linear(dim, dim)
+            if linears:
+                lin.weight = linears[node[1] % len(linears)].weight
+            linears.append(lin)
+            module = Residual(lin)
+        else:
+            raise ValueError(f"unknown node {node!r}")
+        module.unit_mark = node[-1]
+        leaves.append(module)
+        return module
+
+    root = nn.Sequential(build(spec), nn.Linear(dim, dim))  # the head keeps one trainable parameter
+    return root

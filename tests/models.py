@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -185,3 +186,101 @@ def tree(spec: Any, dim: int = 8) -> nn.Module:
 
     root = nn.Sequential(build(spec), nn.Linear(dim, dim))  # the head keeps one trainable parameter
     return root
+
+
+# ---- forward patterns ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Out:
+    main: torch.Tensor
+    extra: dict
+    pair: tuple
+
+
+class StructuredBlock(nn.Module):
+    """A unit whose output is a dataclass holding a dict and a tuple."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        h = torch.tanh(self.a(x))
+        return Out(main=h, extra={"aux": self.b(h)}, pair=(h.sum(-1), {"deep": [self.b(x)]}))
+
+
+class Structured(nn.Module):
+    def __init__(self, dim: int = 16, out: int = 5) -> None:
+        super().__init__()
+        self.block = StructuredBlock(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        o = self.block(x)
+        return Out(main=self.head(o.main), extra=o.extra, pair=o.pair)
+
+
+class Twice(nn.Module):
+    """One unit called several times in one forward, plus a unit that is never called."""
+
+    def __init__(self, dim: int = 16, out: int = 5) -> None:
+        super().__init__()
+        self.shared = Block(dim)
+        self.unused = Block(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(self.shared(self.shared(x))))
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, dim: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + x @ self.lora_a.t() @ self.lora_b.t())
+
+
+class LoRANet(nn.Module):
+    def __init__(self, dim: int = 16, out: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(LoRALinear(dim), LoRALinear(dim))
+        self.head = nn.Linear(dim, out)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+class WithBuffers(nn.Module):
+    def __init__(self, dim: int = 16, out: int = 5) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(dim)
+        self.block = Block(dim)
+        self.head = nn.Linear(dim, out)
+        self.register_buffer("scale", torch.rand(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.norm(x) * self.scale))
+
+
+def structured(dim: int = 16) -> nn.Module:
+    return Structured(dim)
+
+
+def twice(dim: int = 16) -> nn.Module:
+    return Twice(dim)
+
+
+def lora(dim: int = 16) -> nn.Module:
+    return LoRANet(dim)
+
+
+def with_buffers(dim: int = 16) -> nn.Module:
+    return WithBuffers(dim)

@@ -6,6 +6,7 @@ the wrapped model on W ranks (each on ``x.chunk(W)[rank]``), and compare.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,21 @@ def global_batch(case: Case, step: int) -> dict[str, torch.Tensor]:
 def loss_fn(case: Case, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if case.data == "lm":
         return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+    y = batch["y"]
+    # Every tensor in the output joins the loss, whatever structure holds it.
+    return sum(((t - y) ** 2).mean() if t.shape == y.shape else (t**2).mean() for t in tensors_in(model(batch["x"])))
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
+    return []
 
 
 def micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
@@ -90,10 +105,12 @@ def train_reference(case: Case) -> tuple[dict[str, torch.Tensor], list[float]]:
     opt = build_optimizer(case, model)
     losses = []
     for step in range(case.steps):
+        step_loss = 0.0
         for micro in micro_batches(global_batch(case, step), case.accumulate):
             loss = loss_fn(case, model, micro) / case.accumulate
             loss.backward()
-            losses.append(loss.item())
+            step_loss += loss.item()
+        losses.append(step_loss)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
@@ -109,10 +126,12 @@ def train_sharded(case: Case) -> dict[str, Any]:
     losses = []
     for step in range(case.steps):
         local = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        step_loss = 0.0
         for micro in micro_batches(local, case.accumulate):
             loss = loss_fn(case, model, micro) / case.accumulate
             loss.backward()
-            losses.append(loss.item())
+            step_loss += loss.item()
+        losses.append(step_loss)
         opt.step()
         opt.zero_grad()
     return {

@@ -21,3 +21,29 @@ def test_root_unit_only(world_size):
 def test_gpt2_tied_embeddings(world_size, optim):
     case = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", optim=optim, data="lm", seq=8)
     check_parity(case, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_structured_outputs(world_size):
+    """Dataclass outputs holding dicts and tuples: every tensor in them carries gradient."""
+    check_parity(Case("structured", policy={__import__("models").StructuredBlock}), world_size)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_unit_called_three_times_and_unit_never_called(optim):
+    # The never-called unit keeps grad None like the unwrapped model, so AdamW leaves it alone.
+    check_parity(Case("twice", policy="Block", optim=optim), 3)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradient_accumulation_across_backward_calls(world_size):
+    check_parity(Case("mlp", policy="Block", accumulate=3, batch=24), world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_lora_frozen_and_trainable_in_one_unit(world_size):
+    check_parity(Case("lora", policy={__import__("models").LoRALinear}, optim="adamw"), world_size)
+
+
+def test_many_steps_adamw_gpt2():
+    check_parity(Case("gpt2", {"n_layer": 3}, policy="GPT2Block", optim="adamw", data="lm", seq=8, steps=5), 2)

@@ -62,6 +62,7 @@ class UnitHandle:
         fqns: Sequence[str],
         slots: Sequence[Sequence[Slot]],
         mesh: DeviceMesh,
+        reduce_group: dist.ProcessGroup,
     ) -> None:
         """Shard ``params`` (full and already identical on every rank) over ``mesh``.
 
@@ -72,6 +73,7 @@ class UnitHandle:
         self._unit_names = unit_names
         self.mesh = mesh
         self.group: dist.ProcessGroup = mesh.get_group()
+        self.reduce_group = reduce_group  # its own sequence: design/notes/collective-schedule.md
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
         self.slots = [list(s) for s in slots]
@@ -107,6 +109,10 @@ class UnitHandle:
             self.unsharded_trainable.register_post_accumulate_grad_hook(self._post_accumulate_grad)
         self._free_unsharded()
         self._packed_grad: torch.Tensor | None = None
+        self._reduced: torch.Tensor | None = None
+        self._reduce_input: torch.Tensor | None = None
+        self._reduce_work: dist.Work | None = None
+        self._used_here = False
         self.install_sharded_params()
 
     # ---- properties ---------------------------------------------------------------------------
@@ -212,28 +218,39 @@ class UnitHandle:
     def grad_ready(self) -> bool:
         return self._packed_grad is not None
 
-    def reduce_grad(self) -> None:
-        """Reduce-scatter the packed gradient and add this rank's average into the sharded grads.
+    def start_reduce(self) -> None:
+        """Start the reduce-scatter of the packed gradient (asynchronous, on the reduce group).
 
-        A rank whose backward did not reach this unit contributes zeros. If no rank reached it,
-        its gradients are left untouched (``None`` stays ``None``), as in plain PyTorch.
+        A rank whose backward did not reach this unit contributes zeros with a zero used-flag.
         """
-        layout, W, S = self.layout, self.world_size, self.layout.grad_shard_numel
+        W, S = self.world_size, self.layout.grad_shard_numel
         packed = self._packed_grad
         self._packed_grad = None
-        used_here = packed is not None
+        self._used_here = packed is not None
         if packed is None:
             packed = torch.zeros(W * (S + 1), dtype=self.dtype, device=self.device)
-        reduced = torch.empty(S + 1, dtype=self.dtype, device=self.device)
-        collectives.reduce_scatter(reduced, packed, self.group)
-        del packed
-        if not used_here and reduced[S].item() == 0:
+        self._reduced = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+        self._reduce_input = packed  # must live until the collective completes
+        self._reduce_work = collectives.reduce_scatter(self._reduced, packed, self.reduce_group, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and add this rank's average into the sharded grads.
+
+        If no rank reached the unit, its gradients are left untouched (``None`` stays ``None``),
+        as in plain PyTorch.
+        """
+        if self._reduced is None:
+            return
+        if self._reduce_work is not None:
+            self._reduce_work.wait()
+        reduced, S = self._reduced, self.layout.grad_shard_numel
+        self._reduced = self._reduce_input = self._reduce_work = None
+        if not self._used_here and reduced[S].item() == 0:
             return
         sharded_grad = reduced.narrow(0, 0, S)
-        sharded_grad.div_(W)
-        n = layout.num_trainable
-        views = layout.sharded_views(sharded_grad, self.rank, n)
-        for param, view in zip(self.sharded_params[:n], views):
+        sharded_grad.div_(self.world_size)
+        n = self.layout.num_trainable
+        for param, view in zip(self.sharded_params[:n], self.layout.sharded_views(sharded_grad, self.rank, n)):
             if param.grad is None:
                 param.grad = view
             else:

@@ -25,7 +25,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import collectives
-from shardwrap.handle import DataState, Slot, TrainingState, UnitHandle
+from shardwrap.handle import Slot, TrainingState, UnitHandle
+from shardwrap.schedule import CollectiveSchedule
 from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -255,8 +256,12 @@ class ShardedModule(nn.Module):
         if self.mesh.size() > 1:
             self._broadcast_from_first_rank(plans, group)
         names = [p.name or "<root>" for p in plans]
+        reduce_group = _reduce_group_for(group)
         self._handles = [
-            UnitHandle(name=names[i], index=i, unit_names=names, params=p.params, fqns=p.fqns, slots=p.slots, mesh=self.mesh)
+            UnitHandle(
+                name=names[i], index=i, unit_names=names, params=p.params, fqns=p.fqns, slots=p.slots,
+                mesh=self.mesh, reduce_group=reduce_group,
+            )
             for i, p in enumerate(plans)
         ]
         # id(sharded param) -> (handle, slot index), for state dicts
@@ -276,10 +281,8 @@ class ShardedModule(nn.Module):
             _optimizer_hook_installed = True
 
         self._state = TrainingState.IDLE
-        self._forward_order: list[UnitHandle] = []
+        self._schedule = CollectiveSchedule()
         self._expect_backward = False
-        self._reduce_order: list[UnitHandle] = []
-        self._reduce_pos = 0
 
     @staticmethod
     def _broadcast_from_first_rank(plans: list[_UnitPlan], group: dist.ProcessGroup) -> None:
@@ -293,7 +296,7 @@ class ShardedModule(nn.Module):
                     for p, piece in zip(plan.params, flat.split([p.numel() for p in plan.params])):
                         p.copy_(piece.view_as(p))
             buffers = [b for b in plans[0].module.buffers()]
-            for dtype in {b.dtype for b in buffers}:
+            for dtype in sorted({b.dtype for b in buffers}, key=str):  # same order on every rank
                 same = [b for b in buffers if b.dtype == dtype]
                 flat = torch.cat([b.reshape(-1) for b in same])
                 collectives.broadcast(flat, group)
@@ -331,8 +334,8 @@ class ShardedModule(nn.Module):
         def pre_forward(module: nn.Module, args: Any) -> None:
             if handle.index == 0:
                 self._root_pre_forward()
-            if handle not in self._forward_order:
-                self._forward_order.append(handle)
+            if torch.is_grad_enabled():
+                self._schedule.record_pre_forward(handle)
             handle.training_state = TrainingState.FORWARD
             handle.unshard()
             handle.install_unsharded_views()
@@ -346,6 +349,7 @@ class ShardedModule(nn.Module):
             wants_grad = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
             if wants_grad:
                 register_multi_grad_hook(wants_grad, lambda grads: self._pre_backward(handle), mode="any")
+                self._schedule.record_post_forward(handle)
                 self._expect_backward = True
             if self.stage == 3:
                 handle.reshard()
@@ -363,7 +367,7 @@ class ShardedModule(nn.Module):
                 f"activation checkpointing with recomputation is not supported yet"
             )
         if not self._expect_backward:
-            self._forward_order.clear()
+            self._schedule.clear()
 
     # ---- backward hooks -----------------------------------------------------------------------
 
@@ -374,12 +378,11 @@ class ShardedModule(nn.Module):
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._reduce_order = [h for h in reversed(self._forward_order) if h.has_trainable]
-        self._reduce_pos = 0
+        self._schedule.begin_backward()
 
     def _pre_backward(self, handle: UnitHandle) -> None:
         self._begin_backward()
-        handle.unshard()
+        self._schedule.gather_through(handle)
         handle.training_state = TrainingState.BACKWARD
 
     def _post_backward(self, handle: UnitHandle) -> None:
@@ -387,29 +390,16 @@ class ShardedModule(nn.Module):
         if self.stage >= 2:
             handle.reshard()
         handle.training_state = TrainingState.IDLE
-        self._flush_reductions()
-
-    def _flush_reductions(self) -> None:
-        """Reduce-scatter ready units in the agreed order (reverse forward order), never out of
-        it, so every rank issues the same collectives in the same sequence."""
-        order = self._reduce_order
-        while self._reduce_pos < len(order) and order[self._reduce_pos].grad_ready:
-            order[self._reduce_pos].reduce_grad()
-            self._reduce_pos += 1
+        self._schedule.flush_reductions()
 
     def _finish_backward(self) -> None:
-        """End of backward: finish every reduction (zeros for units this rank's backward did not
-        reach) and reshard every unit, whatever the graph did."""
-        for handle in self._reduce_order[self._reduce_pos :]:
-            handle.reduce_grad()
+        """End of backward: finish every collective the schedule still owes (zeros for units this
+        rank's backward did not reach) and reshard every unit, whatever the graph did."""
+        self._schedule.finish(self._handles)
         for handle in self._handles:
-            if handle.grad_ready:  # a unit outside the recorded forward order
-                handle.reduce_grad()
             if self.stage >= 2:
                 handle.reshard()
             handle.training_state = TrainingState.IDLE
-        self._reduce_order, self._reduce_pos = [], 0
-        self._forward_order.clear()
         self._expect_backward = False
         self._state = TrainingState.IDLE
 
@@ -463,6 +453,17 @@ class ShardedModule(nn.Module):
                 full = value.detach().cpu().clone() if cpu_offload else value.detach().clone()
             out[key] = full
         return out
+
+
+_REDUCE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second process group over the same ranks, for reduce-scatters (cached per rank set)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _REDUCE_GROUPS:
+        _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
+    return _REDUCE_GROUPS[ranks]
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -88,7 +88,10 @@ class RankPool:
                 raise RankTimeout(
                     f"{fn.__qualname__} on {self.world_size} ranks: rank {rank} gave no answer in {timeout:.0f} s (hang)"
                 )
-            ok, value = conn.recv()
+            try:
+                ok, value = conn.recv()
+            except (EOFError, ConnectionError) as exc:
+                raise RankTimeout(f"{fn.__qualname__}: rank {rank} died ({exc!r}); see its stderr above") from None
             if ok:
                 results.append(value)
             else:

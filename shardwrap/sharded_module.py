@@ -127,6 +127,14 @@ def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
     first = ""
     for unit in units:
         for fqn, p in zip(unit.fqns, unit.params):
+            if device is None:
+                device, first = p.device, fqn
+            elif p.device != device:
+                raise ValueError(
+                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on {p.device} but "
+                    f"'{first}' is on {device}; move the whole model to one device (this rank's "
+                    f"cpu or cuda:LOCAL_RANK) before wrapping"
+                )
             if p.device.type == "meta":
                 raise ValueError(
                     f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on the meta device; "
@@ -143,14 +151,6 @@ def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
                     f"ShardedModule: unit {unit.label} mixes dtypes: '{unit.fqns[0]}' is "
                     f"{unit.params[0].dtype} but '{fqn}' is {p.dtype}. Cast the module to one dtype "
                     f"(use MixedPrecision for low-precision compute), or put '{fqn}' in its own unit"
-                )
-            if device is None:
-                device, first = p.device, fqn
-            elif p.device != device:
-                raise ValueError(
-                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on {p.device} but "
-                    f"'{first}' is on {device}; move the whole model to one device (this rank's "
-                    f"cpu or cuda:LOCAL_RANK) before wrapping"
                 )
     return device or torch.device("cpu")
 

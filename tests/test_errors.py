@@ -1,0 +1,166 @@
+"""Bad input gets a clear error, raised before any state changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from harness import run_on_ranks
+
+
+def test_no_process_group():
+    from shardwrap import ShardedModule
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"init_process_group"):
+        ShardedModule(nn.Linear(2, 2))
+
+
+def snapshot(model: nn.Module) -> list:
+    return [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def unchanged(model: nn.Module, before: list) -> bool:
+    after = list(model.named_parameters())
+    return len(after) == len(before) and all(
+        n == n2 and p is p2 and (p2.is_meta or torch.equal(p2.detach(), v)) for (n, p, v), (n2, p2) in zip(before, after)
+    )
+
+
+def attempt(build, **kwargs) -> tuple[str, str, bool]:
+    """Wrap ``build()`` with ``kwargs``; return (error type, message, model unchanged)."""
+    from shardwrap import ShardedModule
+
+    model = build()
+    before = snapshot(model)
+    try:
+        ShardedModule(model, **kwargs)
+    except Exception as exc:  # the test inspects type and text
+        return type(exc).__name__, str(exc), unchanged(model, before)
+    return "", "no error", unchanged(model, before)
+
+
+class MixedDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = models.Block(4)
+        self.block.up.bias = nn.Parameter(torch.zeros(8, dtype=torch.float64))
+
+
+class MixedDevice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = models.Block(4)
+        self.block.down.weight = nn.Parameter(torch.empty(4, 8, device="meta"))
+
+
+def on_ranks_bad_arguments() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwrap import ShardedModule, SizePolicy
+
+    def mlp():
+        return models.mlp(4, 2)
+
+    results = {
+        "stage4": attempt(mlp, stage=4),
+        "stage_str": attempt(mlp, stage="3"),
+        "policy_int": attempt(mlp, auto_wrap_policy=42),
+        "policy_class": attempt(mlp, auto_wrap_policy=models.Block),
+        "policy_set_of_junk": attempt(mlp, auto_wrap_policy={int}),
+        "dtype": attempt(MixedDtype, auto_wrap_policy={models.Block}),
+        "device": attempt(MixedDevice, auto_wrap_policy={models.Block}),
+        "mesh_2d": attempt(mlp, mesh=init_device_mesh("cpu", (dist.get_world_size(), 1))),
+        "mesh_not_a_mesh": attempt(mlp, mesh=dist.group.WORLD),
+    }
+    try:
+        SizePolicy(0)
+        results["size_policy"] = ("", "no error", True)
+    except ValueError as exc:
+        results["size_policy"] = ("ValueError", str(exc), True)
+
+    wrapped = ShardedModule(mlp(), auto_wrap_policy={models.Block})
+    results["wrap_twice"] = attempt(lambda: wrapped.module)
+    results["wrap_wrapper"] = attempt(lambda: wrapped)
+    results["wrap_inner"] = attempt(lambda: wrapped.module.blocks[0])
+    return results
+
+
+EXPECTED = {
+    "stage4": ("ValueError", ["stage=4", "1, 2 or 3"]),
+    "stage_str": ("ValueError", ["stage='3'"]),
+    "policy_int": ("TypeError", ["auto_wrap_policy=42", "SizePolicy"]),
+    "policy_class": ("TypeError", ["auto_wrap_policy=Block", "{Block}"]),
+    "policy_set_of_junk": ("TypeError", ["int", "nn.Module subclass"]),
+    "dtype": ("TypeError", ["'block'", "'block.up.bias'", "torch.float64", "MixedPrecision"]),
+    "device": ("ValueError", ["'block.down.weight'", "meta", "one device"]),
+    "mesh_2d": ("ValueError", ["2 axes", "1-D"]),
+    "mesh_not_a_mesh": ("TypeError", ["DeviceMesh"]),
+    "size_policy": ("ValueError", ["min_num_params=0"]),
+    "wrap_twice": ("ValueError", ["already wrapped", "auto_wrap_policy"]),
+    "wrap_wrapper": ("ValueError", ["already wrapped"]),
+    "wrap_inner": ("ValueError", ["already wrapped"]),
+}
+
+
+def test_bad_arguments_raise_clear_errors_before_any_change():
+    for result in run_on_ranks(2, on_ranks_bad_arguments):
+        assert set(result) == set(EXPECTED)
+        for case, (kind, fragments) in EXPECTED.items():
+            got_kind, message, untouched = result[case]
+            assert got_kind == kind, (case, got_kind, message)
+            for fragment in fragments:
+                assert fragment in message, (case, fragment, message)
+            assert untouched, f"{case}: the model changed before the error"
+
+
+def on_ranks_stale_optimizer() -> tuple[str, bool]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    plain = models.mlp(4, 2)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)  # built before wrapping: the mistake
+    model = ShardedModule(plain, auto_wrap_policy={models.Block})
+    model(torch.randn(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc), all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    return "no error", False
+
+
+def test_optimizer_built_before_wrapping_is_refused_at_step():
+    for message, untouched in run_on_ranks(2, on_ranks_stale_optimizer):
+        assert "SGD" in message and "'inp.weight'" in message and "after" in message and "model.parameters()" in message
+        assert untouched
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = models.Block(4)
+        self.right = models.Block(4)
+
+    def forward(self, x, go_left: bool):
+        return self.left(x) if go_left else self.right(x)
+
+
+def on_ranks_diverging_forward() -> str:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(Branchy(), auto_wrap_policy={models.Block})
+    try:
+        model(torch.randn(2, 4), go_left=dist.get_rank() == 0)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_running_different_units_get_an_error_not_a_hang():
+    for message in run_on_ranks(2, on_ranks_diverging_forward, timeout=60):
+        assert "ranks disagree" in message and "'left'" in message and "'right'" in message, message

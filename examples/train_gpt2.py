@@ -1,0 +1,172 @@
+"""Train a GPT-2-style causal language model with shardwrap: the main job.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py
+
+It runs on CPU ranks over gloo by default and unchanged on GPUs over nccl. The model is a
+transformers GPT2LMHeadModel built from a small GPT2Config with random weights; the tokenizer is
+byte-level (vocab 256) and needs no download; the text is examples/data/corpus.txt if present,
+else a corpus generated from a small grammar, so nothing is fetched at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from shardwrap import ShardedModule
+
+# ---- defaults ---------------------------------------------------------------------------------
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
+p.add_argument("--steps", type=int, default=150)
+p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+p.add_argument("--seq-len", type=int, default=64)
+p.add_argument("--n-layer", type=int, default=4)
+p.add_argument("--n-embd", type=int, default=128)
+p.add_argument("--n-head", type=int, default=4)
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--weight-decay", type=float, default=0.1)
+p.add_argument("--log-every", type=int, default=25)
+p.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "data", "corpus.txt"))
+p.add_argument("--seed", type=int, default=1337)
+args = p.parse_args()
+
+# ---- processes and devices --------------------------------------------------------------------
+use_cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if use_cuda else "gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+if use_cuda:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+torch.manual_seed(args.seed)
+
+
+# ---- data: bytes of text, cut into (seq_len + 1)-byte windows ---------------------------------
+def generated_corpus(n_sentences: int = 6000) -> str:
+    """English-like sentences from a tiny grammar: learnable structure, nothing to download."""
+    rng = random.Random(0)
+    subjects = ["the old sailor", "a quiet child", "the king", "my neighbour", "the young doctor", "a grey wolf"]
+    verbs = ["watched", "followed", "remembered", "painted", "carried", "found"]
+    objects = ["the northern sea", "a broken lantern", "the long road", "an empty house", "the winter moon"]
+    endings = ["at dawn", "without a word", "for many years", "in the rain", "before the storm"]
+    return " ".join(
+        f"{rng.choice(subjects).capitalize()} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(endings)}."
+        for _ in range(n_sentences)
+    )
+
+
+class ByteWindows(Dataset):
+    def __init__(self, text: str, seq_len: int) -> None:
+        self.data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i * self.seq_len : (i + 1) * self.seq_len + 1]  # (T + 1,)
+
+
+text = open(args.data, encoding="utf-8").read() if os.path.exists(args.data) else generated_corpus()
+dataset = ByteWindows(text, args.seq_len)
+sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+# ---- model: GPT-2 with tied embeddings, one unit per block --------------------------------------
+config = GPT2Config(
+    vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+)
+model = GPT2LMHeadModel(config).to(device)
+n_params = sum(p.numel() for p in model.parameters())
+model = ShardedModule(model, auto_wrap_policy={GPT2Block}, stage=args.stage)
+
+# nanoGPT's grouping: decay 2-D weights, not biases and norms.
+decay = [p for p in model.parameters() if p.dim() >= 2]
+no_decay = [p for p in model.parameters() if p.dim() < 2]
+opt = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    lr=args.lr, betas=(0.9, 0.95),
+)
+
+
+def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def model_state_mib() -> float:
+    """This rank's parameter, gradient and optimizer-state storage, in MiB."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) / 2**20
+
+
+if rank == 0:
+    print(f"GPT-2 {n_params / 1e6:.2f}M params, {world} ranks, stage {args.stage}, {device}, {len(dataset)} windows")
+
+# ---- training loop ------------------------------------------------------------------------------
+try:
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, disable=rank != 0, ncols=100)
+except ImportError:  # tqdm is optional
+    bar = None
+step, epoch, t0, tokens = 0, 0, time.perf_counter(), 0
+first_loss = last_loss = float("nan")
+while step < args.steps:
+    sampler.set_epoch(epoch)
+    for batch in loader:
+        batch = batch.to(device)
+        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-byte targets
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        logits = model(input_ids=x).logits  # (B, T, 256)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += x.numel() * world
+        step += 1
+        if bar is not None:
+            bar.update(1)
+        if step == 1 or step % args.log_every == 0 or step == args.steps:
+            avg = loss.detach().clone()
+            dist.all_reduce(avg)
+            avg = avg.item() / world
+            first_loss = avg if step == 1 else first_loss
+            last_loss = avg
+            mem = torch.tensor([model_state_mib()])
+            mems = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(mems, mem)
+            if rank == 0:
+                rate = tokens / (time.perf_counter() - t0)
+                per_rank = " ".join(f"r{r}={m.item():.1f}MiB" for r, m in enumerate(mems))
+                msg = f"step {step:4d} loss {avg:.4f} tok/s {rate:,.0f} model-state {per_rank}"
+                (bar.write if bar is not None else print)(msg)
+        if step >= args.steps:
+            break
+    epoch += 1
+
+if bar is not None:
+    bar.close()
+if rank == 0:
+    print(f"done: loss {first_loss:.3f} -> {last_loss:.3f} in {time.perf_counter() - t0:.1f}s")
+dist.barrier()  # let every rank finish its last collective before tearing the groups down
+dist.destroy_process_group()

@@ -284,3 +284,22 @@ def lora(dim: int = 16) -> nn.Module:
 
 def with_buffers(dim: int = 16) -> nn.Module:
     return WithBuffers(dim)
+
+
+class TiedAcrossUnits(nn.Module):
+    """An embedding and an output head that share one weight, each inside a different unit."""
+
+    def __init__(self, vocab: int = 11, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Embedding(vocab, dim))
+        self.body = Block(dim)
+        self.out = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False))
+        self.out[1].weight = self.embed[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 7).long().remainder(self.embed[0].num_embeddings)  # (B, D) ints
+        return self.out(self.body(self.embed(ids).mean(1)))
+
+
+def tied_across_units(vocab: int = 11, dim: int = 16) -> nn.Module:
+    return TiedAcrossUnits(vocab, dim)

@@ -263,3 +263,55 @@ def test_model_state_memory_is_16_psi_over_w():
         assert r["unsharded"] == 0, r
         assert abs(total - 16 * psi / world) <= pad_bytes + 1e-9, (total, 16 * psi / world, pad_bytes)
         assert abs(total / (16 * psi / world) - 1) < 0.03, r
+
+
+def on_ranks_units_and_groups() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwrap import ShardedModule, SizePolicy
+
+    torch.manual_seed(0)
+    tied = ShardedModule(models.tied_across_units(), auto_wrap_policy={nn.Sequential})
+    owners = {h.name: list(h.layout.slots[i].fqn for i in range(len(h.layout.slots))) for h in tied.units}
+
+    # A user-given 1-D mesh, and param groups chosen by name.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = ShardedModule(models.lora(), auto_wrap_policy={models.LoRALinear}, mesh=mesh)
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named.items() if "lora" in n], "lr": 1e-2},
+            {"params": [p for n, p in named.items() if "lora" not in n and p.requires_grad], "lr": 1e-3},
+        ]
+    )
+    x = torch.randn(4, 16)
+    model(x).pow(2).mean().backward()
+    frozen = [n for n, p in named.items() if not p.requires_grad]
+    grad_bytes = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    trainable_local = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen_before = {n: named[n].detach().clone() for n in frozen}
+    opt.step()
+    return {
+        "owners": owners,
+        "mesh_is_given": model.mesh is mesh,
+        "frozen_grads_none": all(named[n].grad is None for n in frozen),
+        "frozen_unchanged": all(torch.equal(named[n], v) for n, v in frozen_before.items()),
+        "reduced_numel": [h.layout.grad_shard_numel for h in model.units],
+        "shard_numel": [h.layout.shard_numel for h in model.units],
+        "grad_numel": grad_bytes,
+        "trainable_local": trainable_local,
+        "n_frozen": len(frozen),
+        "size_units": [h.name for h in ShardedModule(models.mlp(16, 3), auto_wrap_policy=SizePolicy(1000)).units],
+    }
+
+
+def test_tied_owner_user_mesh_name_groups_and_frozen_memory():
+    for r in run_on_ranks(2, on_ranks_units_and_groups):
+        assert "embed.0.weight" in r["owners"]["<root>"], r["owners"]
+        assert all("embed.0.weight" not in v for k, v in r["owners"].items() if k != "<root>")
+        assert r["mesh_is_given"] and r["frozen_grads_none"] and r["frozen_unchanged"] and r["n_frozen"] == 6
+        # Frozen parameters take no gradient memory: the gradient layout is the trainable prefix.
+        assert all(g < s for g, s in zip(r["reduced_numel"], r["shard_numel"]) if s), r
+        assert r["grad_numel"] == r["trainable_local"], r
+        # A Block has 1,104 parameters (>= 1000) while its layers have 544 at most; inp and head stay in the root.
+        assert r["size_units"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], r["size_units"]

@@ -47,3 +47,16 @@ def test_lora_frozen_and_trainable_in_one_unit(world_size):
 
 def test_many_steps_adamw_gpt2():
     check_parity(Case("gpt2", {"n_layer": 3}, policy="GPT2Block", optim="adamw", data="lm", seq=8, steps=5), 2)
+
+
+def test_size_policy():
+    from shardwrap import SizePolicy
+
+    check_parity(Case("mlp", {"dim": 16, "depth": 3}, policy=SizePolicy(min_num_params=1000)), 3)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_parameter_tied_across_units_goes_to_their_common_ancestor(optim):
+    # Both Sequentials are units; the shared weight is owned by the root and trained once.
+    case = Case("tied_across_units", policy={__import__("torch").nn.Sequential}, optim=optim, out=11)
+    check_parity(case, 2)

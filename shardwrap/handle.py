@@ -3,7 +3,7 @@
 A handle owns the sharded flat parameter (a ``Shard(0)`` DTensor), the per-parameter views the
 optimizer sees, and the unsharded buffer that exists only between ``unshard`` and ``reshard``.
 It knows how to all-gather, reshard and reduce-scatter its own data; *when* to do so is decided
-by the hooks in ``sharded_module.py``.
+by the hooks in ``sharded_module.py`` and the order by ``schedule.py``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class UnitHandle:
         slots: Sequence[Sequence[Slot]],
         mesh: DeviceMesh,
         reduce_group: dist.ProcessGroup,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        keep_unsharded_grad: bool = False,
     ) -> None:
         """Shard ``params`` (full and already identical on every rank) over ``mesh``.
 
@@ -79,9 +82,13 @@ class UnitHandle:
         self.slots = [list(s) for s in slots]
         self.layout = FlatLayout(fqns, params, self.world_size)
         self.device = params[0].device if params else torch.device("cpu")
-        self.dtype = params[0].dtype if params else torch.float32
+        self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
+        self.param_dtype = param_dtype or self.dtype  # all-gather and compute
+        self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
+        self.keep_unsharded_grad = keep_unsharded_grad  # stage 1: a persistent gradient buffer
         self.data_state = DataState.SHARDED
         self.training_state = TrainingState.IDLE
+        self.stale = False  # stage 1: the unsharded copy predates an optimizer step
         self.on_grad_ready: Callable[[UnitHandle], None] = lambda handle: None
 
         layout, S = self.layout, self.layout.shard_numel
@@ -99,8 +106,8 @@ class UnitHandle:
             for view, slot in zip(layout.sharded_views(self.sharded_local, self.rank), layout.slots)
         ]
 
-        # Unsharded buffer, allocated now to create the aliases, then freed.
-        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.dtype, device=self.device)
+        # Unsharded buffer (param_dtype), allocated now to create the aliases, then freed.
+        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
         n_trainable = layout.padded_trainable_numel
         self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
         self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
@@ -108,6 +115,8 @@ class UnitHandle:
             self.unsharded_trainable.requires_grad_(True)
             self.unsharded_trainable.register_post_accumulate_grad_hook(self._post_accumulate_grad)
         self._free_unsharded()
+        self._pending_gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self.grad_pending = False  # autograd produced an unsharded gradient not yet packed
         self._packed_grad: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
@@ -115,40 +124,57 @@ class UnitHandle:
         self._used_here = False
         self.install_sharded_params()
 
-    # ---- properties ---------------------------------------------------------------------------
-
     @property
     def has_trainable(self) -> bool:
         return self.layout.num_trainable > 0
 
-    def _where(self) -> str:
-        return f"rank {dist.get_rank()}, unit '{self.name}'"
+    @property
+    def gathering(self) -> bool:
+        return self._pending_gather is not None
 
     # ---- data-state transitions ---------------------------------------------------------------
 
-    def unshard(self) -> None:
+    def unshard(self, *, async_op: bool = False) -> None:
         """All-gather the flat shard into the unsharded buffer (ONE collective).
 
-        Precondition: SHARDED. Postcondition: UNSHARDED, every parameter's full value readable
-        through ``unsharded_views``.
+        Precondition: SHARDED, or UNSHARDED but stale. Postcondition: UNSHARDED, every
+        parameter's full value readable through ``unsharded_views``. With ``async_op`` the
+        collective is only started (prefetch); the next plain ``unshard`` finishes it.
         """
-        if self.data_state is DataState.UNSHARDED:
+        if self._pending_gather is not None:
+            if not async_op:
+                self._finish_gather()
             return
-        layout, W = self.layout, self.world_size
+        if self.data_state is DataState.UNSHARDED and not self.stale:
+            return
+        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not layout.slots:
-            self.data_state = DataState.UNSHARDED
+            self.data_state, self.stale = DataState.UNSHARDED, False
             return
+        send = self._sharded_storage.to(self.param_dtype)  # no copy without mixed precision
+        gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
+        work = collectives.all_gather(gathered, send, self.group, async_op=True)
+        self._pending_gather = (work, gathered, send)
+        if not async_op:
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        work, gathered, send = self._pending_gather  # type: ignore[misc]
+        self._pending_gather = None
+        if work is not None:
+            work.wait()
+        self._check_tags(gathered, send)
         storage = self._padded_unsharded.untyped_storage()
-        storage.resize_(layout.padded_unsharded_numel * self._padded_unsharded.element_size())
-        gathered = torch.empty(W * (layout.shard_numel + 1), dtype=self.dtype, device=self.device)
-        collectives.all_gather(gathered, self._sharded_storage, self.group)
-        self._check_tags(gathered)
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded_unsharded_numel * self._padded_unsharded.element_size())
         with torch.no_grad():
-            layout.copy_gathered_to_unsharded(gathered, self._padded_unsharded)
-        self.data_state = DataState.UNSHARDED
+            self.layout.copy_gathered_to_unsharded(gathered, self._padded_unsharded)
+        self.data_state, self.stale = DataState.UNSHARDED, False
 
     def reshard(self) -> None:
         """Free the unsharded buffer. Postcondition: SHARDED."""
+        if self._pending_gather is not None:
+            self._finish_gather()  # a prefetch nobody used: complete it so the sequence stays paired
         if self.data_state is DataState.SHARDED:
             return
         self._free_unsharded()
@@ -159,13 +185,13 @@ class UnitHandle:
         # tensor) frees the memory and keeps those views valid for the next unshard.
         self._padded_unsharded.untyped_storage().resize_(0)
 
-    def _check_tags(self, gathered: torch.Tensor) -> None:
+    def _check_tags(self, gathered: torch.Tensor, send: torch.Tensor) -> None:
         """Raise if ranks gathered different units (their forwards ran different units)."""
         if self.device.type != "cpu":
             return  # reading the tags would synchronize the GPU stream on every unshard
         S = self.layout.shard_numel
         tags = gathered.view(self.world_size, S + 1)[:, S].tolist()
-        mine = self._sharded_storage[S].item()
+        mine = send[S].item()
         if any(t != mine for t in tags):
             names = [self._unit_names[int(t)] if 0 <= int(t) < len(self._unit_names) else f"#{t}" for t in tags]
             by_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
@@ -193,26 +219,31 @@ class UnitHandle:
     # ---- gradients ----------------------------------------------------------------------------
 
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
-        """post_backward: pack the unsharded gradient for the reduce-scatter and free it."""
+        """post_backward: autograd finished this unit's flat gradient for this backward."""
+        self.grad_pending = True
+        self.on_grad_ready(self)
+
+    def pack_grad(self) -> None:
+        """Move the unsharded gradient, rank-major and in ``reduce_dtype``, into the reduce-scatter
+        input, with the used-flag set; then free it (or zero it, for stage 1)."""
+        if not self.grad_pending:
+            return
+        self.grad_pending = False
+        leaf = self.unsharded_trainable
         grad = leaf.grad
-        leaf.grad = None
         if grad is None:
             return
         layout, W = self.layout, self.world_size
-        packed = self._packed_grad
-        if packed is None:
-            packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.dtype, device=self.device)
-            layout.pack_for_reduce_scatter(grad, packed)
-            packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
-            self._packed_grad = packed
+        packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.reduce_dtype, device=self.device)
+        layout.pack_for_reduce_scatter(grad.to(self.reduce_dtype), packed)
+        packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
+        if self._packed_grad is not None:
+            packed += self._packed_grad
+        self._packed_grad = packed
+        if self.keep_unsharded_grad:
+            grad.zero_()  # stage 1 keeps one unsharded gradient buffer for the whole run
         else:
-            extra = torch.empty_like(packed)
-            layout.pack_for_reduce_scatter(grad, extra)
-            packed.view(W, -1).narrow(1, 0, layout.grad_shard_numel).add_(
-                extra.view(W, -1).narrow(1, 0, layout.grad_shard_numel)
-            )
-        del grad
-        self.on_grad_ready(self)
+            leaf.grad = None
 
     @property
     def grad_ready(self) -> bool:
@@ -228,8 +259,8 @@ class UnitHandle:
         self._packed_grad = None
         self._used_here = packed is not None
         if packed is None:
-            packed = torch.zeros(W * (S + 1), dtype=self.dtype, device=self.device)
-        self._reduced = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+            packed = torch.zeros(W * (S + 1), dtype=self.reduce_dtype, device=self.device)
+        self._reduced = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
         self._reduce_input = packed  # must live until the collective completes
         self._reduce_work = collectives.reduce_scatter(self._reduced, packed, self.reduce_group, async_op=True)
 
@@ -247,7 +278,7 @@ class UnitHandle:
         self._reduced = self._reduce_input = self._reduce_work = None
         if not self._used_here and reduced[S].item() == 0:
             return
-        sharded_grad = reduced.narrow(0, 0, S)
+        sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
         sharded_grad.div_(self.world_size)
         n = self.layout.num_trainable
         for param, view in zip(self.sharded_params[:n], self.layout.sharded_views(sharded_grad, self.rank, n)):

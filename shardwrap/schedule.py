@@ -16,13 +16,17 @@ issues collectives only in that order (design/notes/collective-schedule.md):
 
 from __future__ import annotations
 
-from shardwrap.handle import TrainingState, UnitHandle
+from shardwrap.handle import DataState, TrainingState, UnitHandle
 
 
 class CollectiveSchedule:
-    def __init__(self) -> None:
+    def __init__(self, *, max_unsharded: int = 2) -> None:
+        self.max_unsharded = max_unsharded  # current unit + units gathered ahead of use
         self.pre_forward: list[UnitHandle] = []  # units forwarded with grad enabled, first call order
         self.post_forward: list[UnitHandle] = []  # units whose outputs required grad, first return order
+        self.forward_trace: list[UnitHandle] = []  # every unit forwarded this step, in order
+        self.last_forward: list[UnitHandle] = []  # the previous step's trace: the prefetch order
+        self.prefetched: set[UnitHandle] = set()  # gathered ahead of use, not used yet
         self._gather: list[UnitHandle] = []
         self._gather_pos = 0
         self._reduce: list[UnitHandle] = []
@@ -32,30 +36,72 @@ class CollectiveSchedule:
         self.pre_forward.clear()
         self.post_forward.clear()
 
-    def record_pre_forward(self, handle: UnitHandle) -> None:
-        if handle not in self.pre_forward:
+    # ---- forward ------------------------------------------------------------------------------
+
+    def start_forward(self) -> None:
+        """A new step's first forward: the last trace becomes the prefetch order."""
+        if self.forward_trace:
+            self.last_forward, self.forward_trace = self.forward_trace, []
+
+    def record_pre_forward(self, handle: UnitHandle, grad_enabled: bool) -> None:
+        if handle not in self.forward_trace:
+            self.forward_trace.append(handle)
+        if grad_enabled and handle not in self.pre_forward:
             self.pre_forward.append(handle)
 
     def record_post_forward(self, handle: UnitHandle) -> None:
         if handle not in self.post_forward:
             self.post_forward.append(handle)
 
+    def unshard_for_forward(self, handle: UnitHandle) -> None:
+        """Unshard ``handle`` and start gathering the unit that followed it last step."""
+        self.prefetched.discard(handle)
+        handle.unshard()
+        order = self.last_forward
+        if handle in order:
+            i = order.index(handle)
+            if i + 1 < len(order):
+                self._prefetch(order[i + 1])
+
+    def _prefetch(self, handle: UnitHandle) -> None:
+        if handle.gathering or handle in self.prefetched or len(self.prefetched) + 1 >= self.max_unsharded:
+            return
+        if handle.data_state is DataState.UNSHARDED and not handle.stale:
+            return
+        handle.unshard(async_op=True)
+        self.prefetched.add(handle)
+
+    def drop_prefetched(self) -> None:
+        """Reshard units gathered ahead that the forward did not use (its order changed)."""
+        for handle in self.prefetched:
+            handle.reshard()
+        self.prefetched.clear()
+
+    # ---- backward -----------------------------------------------------------------------------
+
     def begin_backward(self) -> None:
         self._gather, self._gather_pos = self.post_forward[::-1], 0
         self._reduce, self._reduce_pos = [h for h in self.pre_forward[::-1] if h.has_trainable], 0
+        self.prefetched.clear()
 
     def gather_through(self, handle: UnitHandle) -> None:
-        """Unshard ``handle`` for backward, after every unit scheduled before it."""
-        if handle not in self._gather[self._gather_pos :]:
-            handle.unshard()  # already gathered in this backward (or outside the schedule)
-            return
-        while True:
-            current = self._gather[self._gather_pos]
+        """Unshard ``handle`` for backward, after every unit scheduled before it; then start
+        gathering the next scheduled unit if the limit allows."""
+        if handle in self._gather[self._gather_pos :]:
+            while True:
+                current = self._gather[self._gather_pos]
+                self._gather_pos += 1
+                current.unshard(async_op=current is not handle)
+                current.training_state = TrainingState.BACKWARD
+                if current is handle:
+                    break
+        self.prefetched.discard(handle)
+        handle.unshard()  # finishes a prefetch, or re-gathers a unit outside the schedule
+        if self._gather_pos < len(self._gather) and len(self.prefetched) + 1 < self.max_unsharded:
+            ahead = self._gather[self._gather_pos]
             self._gather_pos += 1
-            current.unshard()
-            current.training_state = TrainingState.BACKWARD
-            if current is handle:
-                return
+            ahead.unshard(async_op=True)
+            self.prefetched.add(ahead)
 
     def flush_reductions(self) -> None:
         """Start the reduce-scatter of every ready unit whose predecessors have all started."""
@@ -63,15 +109,19 @@ class CollectiveSchedule:
             self._reduce[self._reduce_pos].start_reduce()
             self._reduce_pos += 1
 
-    def finish(self, handles: list[UnitHandle]) -> None:
-        """Issue what this rank's graph skipped, then wait for every reduction."""
+    def finish(self, handles: list[UnitHandle], *, sync: bool) -> None:
+        """Issue what this rank's graph skipped, then (when syncing) wait for every reduction."""
         for handle in self._gather[self._gather_pos :]:
             handle.unshard()
-        for handle in self._reduce[self._reduce_pos :]:
-            handle.start_reduce()
-        for handle in handles:
-            if handle.grad_ready:  # gradient from a unit outside the recorded forward
+        if sync:
+            for handle in self._reduce[self._reduce_pos :]:
+                handle.pack_grad()  # gradient kept from no_sync micro-batches, if any
                 handle.start_reduce()
-            handle.finish_reduce()
+            for handle in handles:
+                if handle.grad_pending or handle.grad_ready:  # a unit outside the recorded forward
+                    handle.pack_grad()
+                    handle.start_reduce()
+                handle.finish_reduce()
         self._gather, self._reduce = [], []
+        self.prefetched.clear()
         self.clear()

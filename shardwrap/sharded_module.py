@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import collectives
 from shardwrap.handle import Slot, TrainingState, UnitHandle
+from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.wrap import PolicyLike, as_policy
 
@@ -221,6 +222,8 @@ class ShardedModule(nn.Module):
         auto_wrap_policy: PolicyLike = None,
         stage: int = 3,
         mesh: DeviceMesh | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        max_unsharded: int = 2,
     ) -> None:
         # --- validate everything before changing any state ---
         if not (dist.is_available() and dist.is_initialized()):
@@ -240,6 +243,16 @@ class ShardedModule(nn.Module):
                 )
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ShardedModule: stage={stage!r} is not a ZeRO stage; use 1, 2 or 3")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"ShardedModule: mixed_precision={mixed_precision!r}; pass "
+                f"shardwrap.MixedPrecision(param_dtype=..., reduce_dtype=...) or None"
+            )
+        if isinstance(max_unsharded, bool) or not isinstance(max_unsharded, int) or max_unsharded < 1:
+            raise ValueError(
+                f"ShardedModule: max_unsharded={max_unsharded!r}; it counts the running unit plus "
+                f"units gathered ahead of use, so it must be an int >= 1 (1 turns prefetch off)"
+            )
         policy = as_policy(auto_wrap_policy)
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
@@ -251,6 +264,7 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.module = module
         self.stage = stage
+        self.mixed_precision = mixed_precision or MixedPrecision()
         self.mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         group = self.mesh.get_group()
         if self.mesh.size() > 1:
@@ -260,7 +274,8 @@ class ShardedModule(nn.Module):
         self._handles = [
             UnitHandle(
                 name=names[i], index=i, unit_names=names, params=p.params, fqns=p.fqns, slots=p.slots,
-                mesh=self.mesh, reduce_group=reduce_group,
+                mesh=self.mesh, reduce_group=reduce_group, param_dtype=self.mixed_precision.param_dtype,
+                reduce_dtype=self.mixed_precision.reduce_dtype, keep_unsharded_grad=stage == 1,
             )
             for i, p in enumerate(plans)
         ]
@@ -281,8 +296,15 @@ class ShardedModule(nn.Module):
             _optimizer_hook_installed = True
 
         self._state = TrainingState.IDLE
-        self._schedule = CollectiveSchedule()
+        self._schedule = CollectiveSchedule(max_unsharded=max_unsharded)
         self._expect_backward = False
+        self._sync = True  # False inside no_sync()
+        if self.mixed_precision.buffer_dtype is not None:
+            with torch.no_grad():
+                for sub in module.modules():
+                    for name, buf in sub._buffers.items():
+                        if buf is not None and buf.is_floating_point():
+                            sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
 
     @staticmethod
     def _broadcast_from_first_rank(plans: list[_UnitPlan], group: dist.ProcessGroup) -> None:
@@ -321,6 +343,9 @@ class ShardedModule(nn.Module):
         return self.module.named_modules(memo, prefix, remove_duplicate)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.mixed_precision.param_dtype
+        if dtype is not None:  # compute runs in param_dtype from the first layer on
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         return self.module(*args, **kwargs)
 
     @property
@@ -334,10 +359,9 @@ class ShardedModule(nn.Module):
         def pre_forward(module: nn.Module, args: Any) -> None:
             if handle.index == 0:
                 self._root_pre_forward()
-            if torch.is_grad_enabled():
-                self._schedule.record_pre_forward(handle)
+            self._schedule.record_pre_forward(handle, torch.is_grad_enabled())
             handle.training_state = TrainingState.FORWARD
-            handle.unshard()
+            self._schedule.unshard_for_forward(handle)
             handle.install_unsharded_views()
 
         return pre_forward
@@ -353,9 +377,11 @@ class ShardedModule(nn.Module):
                 self._expect_backward = True
             if self.stage == 3:
                 handle.reshard()
-            if handle.index == 0 and not self._expect_backward:
-                for h in self._handles:  # nothing will run backward: leave nothing unsharded
-                    h.reshard()
+            if handle.index == 0:
+                self._schedule.drop_prefetched()
+                if not self._expect_backward:
+                    for h in self._handles:  # nothing will run backward: leave nothing unsharded
+                        h.reshard()
             return output
 
         return post_forward
@@ -368,6 +394,7 @@ class ShardedModule(nn.Module):
             )
         if not self._expect_backward:
             self._schedule.clear()
+        self._schedule.start_forward()
 
     # ---- backward hooks -----------------------------------------------------------------------
 
@@ -387,21 +414,74 @@ class ShardedModule(nn.Module):
 
     def _post_backward(self, handle: UnitHandle) -> None:
         self._begin_backward()
+        if self._sync:
+            handle.pack_grad()
         if self.stage >= 2:
             handle.reshard()
         handle.training_state = TrainingState.IDLE
-        self._schedule.flush_reductions()
+        if self._sync:
+            self._schedule.flush_reductions()
 
     def _finish_backward(self) -> None:
         """End of backward: finish every collective the schedule still owes (zeros for units this
         rank's backward did not reach) and reshard every unit, whatever the graph did."""
-        self._schedule.finish(self._handles)
+        self._schedule.finish(self._handles, sync=self._sync)
         for handle in self._handles:
             if self.stage >= 2:
                 handle.reshard()
+            elif self._sync:
+                handle.stale = True  # stage 1: the optimizer will update the shards
             handle.training_state = TrainingState.IDLE
         self._expect_backward = False
         self._state = TrainingState.IDLE
+
+    # ---- gradient accumulation and clipping ---------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients unsharded on this rank, with no
+        communication; the first backward outside reduces everything accumulated."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the sharded gradients by the norm of the *whole* gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` does on the unwrapped model, and return that norm.
+
+        Padding is never part of a gradient view, so it never counts. A NaN or inf gradient on any
+        rank gives a NaN or inf norm on every rank.
+        """
+        self._check_idle("clip_grad_norm_")
+        if any(h.grad_pending or h.grad_ready for h in self._handles):
+            raise RuntimeError(
+                "clip_grad_norm_: gradients accumulated under no_sync() are not reduced yet; run the "
+                "last micro-batch's backward outside no_sync(), then clip"
+            )
+        norm_type = float(norm_type)
+        group = self.mesh.get_group()
+        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
+        device = self._handles[0].device
+        if norm_type == float("inf"):
+            local_max = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+            stats = torch.stack([local_max, torch.isnan(local_max).float()]).to(device)
+            nan_count = stats[1:].clone()
+            collectives.all_reduce_sum(nan_count, group)
+            peak = torch.nan_to_num(stats[:1], nan=0.0)
+            collectives.all_reduce_max(peak, group)
+            total = torch.where(nan_count > 0, torch.full_like(peak, float("nan")), peak)[0]
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            summed = local.reshape(1).clone()
+            collectives.all_reduce_sum(summed, group)
+            total = summed[0].pow(1.0 / norm_type)
+        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(clip.to(g.dtype))
+        return total
 
     # ---- state dicts --------------------------------------------------------------------------
 

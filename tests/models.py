@@ -303,3 +303,23 @@ class TiedAcrossUnits(nn.Module):
 
 def tied_across_units(vocab: int = 11, dim: int = 16) -> nn.Module:
     return TiedAcrossUnits(vocab, dim)
+
+
+class FlipMLP(MLP):
+    """Runs its blocks in reverse order on odd steps: the execution order changes between steps."""
+
+    step = 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        blocks = list(self.blocks)
+        for block in reversed(blocks) if self.step % 2 else blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def flip_mlp(dim: int = 16, depth: int = 3) -> nn.Module:
+    return FlipMLP(dim, depth)

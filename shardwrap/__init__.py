@@ -1,8 +1,15 @@
 """shardwrap: FSDP-style ZeRO sharding over flat parameters, built on DTensor."""
 
+from shardwrap.checkpoint import export_to_torch_save, load_checkpoint, load_full, save_checkpoint, save_full
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.sharded_module import ShardedModule
 from shardwrap.wrap import CallablePolicy, ModuleTypePolicy, SizePolicy, WrapPolicy
 
-__all__ = ["ShardedModule", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_full",
+    "load_full",
+    "export_to_torch_save",
+    "ShardedModule", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
 __version__ = "0.1.0"

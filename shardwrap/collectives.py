@@ -82,3 +82,13 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Take the elementwise maximum of ``tensor`` in place over ranks."""
     _count("all_reduce", tensor.numel())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def scatter(output: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, group: dist.ProcessGroup) -> None:
+    """The source rank's ``pieces[r]`` lands in rank ``r``'s ``output``.
+
+    With 2 ranks and the source passing ``[[1, 2], [3, 4]]``, rank 0 gets ``[1, 2]`` and rank 1
+    gets ``[3, 4]``. Other ranks pass ``pieces=None``.
+    """
+    _count("scatter", output.numel())
+    dist.scatter(output, pieces if dist.get_rank() == src else None, src=src, group=group)

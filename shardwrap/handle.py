@@ -289,14 +289,16 @@ class UnitHandle:
 
     # ---- full tensors (state dicts) -----------------------------------------------------------
 
-    def gather_full(self) -> list[torch.Tensor]:
+    def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full value, as new tensors (one all-gather; the unit's state is
-        untouched)."""
+        untouched). ``flat`` gathers another tensor laid out like the shard (``S + 1`` elements),
+        such as an optimizer state."""
         layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not layout.slots:
             return []
-        gathered = torch.empty(W * (S + 1), dtype=self.dtype, device=self.device)
-        collectives.all_gather(gathered, self._sharded_storage, self.group)
+        source = self._sharded_storage if flat is None else flat
+        gathered = torch.empty(W * (S + 1), dtype=source.dtype, device=self.device)
+        collectives.all_gather(gathered, source, self.group)
         rows = gathered.view(W, S + 1)
         fulls = []
         for s in layout.slots:

@@ -13,18 +13,18 @@ import dataclasses
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwrap import collectives
+from shardwrap import collectives, state_dict
 from shardwrap.handle import Slot, TrainingState, UnitHandle
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
@@ -483,7 +483,7 @@ class ShardedModule(nn.Module):
             g.mul_(clip.to(g.dtype))
         return total
 
-    # ---- state dicts --------------------------------------------------------------------------
+    # ---- state dicts (shardwrap/state_dict.py) ------------------------------------------------
 
     def _check_idle(self, what: str) -> None:
         if self._state is not TrainingState.IDLE or any(h.training_state is not TrainingState.IDLE for h in self._handles):
@@ -495,20 +495,17 @@ class ShardedModule(nn.Module):
         Built from views of the local shards: no communication.
         """
         self._check_idle("state_dict")
-        sd = self.module.state_dict(prefix=prefix, keep_vars=True)
-        out: dict[str, Any] = {}
-        for key, value in sd.items():
-            found = self._param_index.get(id(value))
-            if found is None:
-                out[key] = value if keep_vars else value.detach()
-                continue
-            handle, i = found
-            slot = handle.layout.slots[i]
-            local = handle.sharded_params[i] if keep_vars else handle.sharded_params[i].detach()
-            out[key] = DTensor.from_local(
-                local, self.mesh, [Shard(0)], run_check=False, shape=slot.shape, stride=_contiguous_stride(slot.shape)
-            )
-        return out
+        return state_dict.sharded_state_dict(self, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict_: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load ``DTensor`` values (saved at any world size) or full tensors, by original name.
+
+        Every key and shape is checked first; a bad dict raises one error listing every problem
+        and changes nothing.
+        """
+        self._check_idle("load_state_dict")
+        missing, unexpected = state_dict.load_sharded_or_full(self, state_dict_, strict)
+        return _IncompatibleKeys(missing, unexpected)
 
     def full_state_dict(self, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
         """``{original name: full tensor}``, gathered one unit at a time.
@@ -517,22 +514,35 @@ class ShardedModule(nn.Module):
         unwrapped model's ``state_dict()``, tied names and buffers included.
         """
         self._check_idle("full_state_dict")
-        keep = not rank0_only or dist.get_rank() == 0
-        full_by_id: dict[int, torch.Tensor] = {}
-        for handle in self._handles:
-            fulls = handle.gather_full()
-            if keep:
-                for param, full in zip(handle.sharded_params, fulls):
-                    full_by_id[id(param)] = full.cpu() if cpu_offload else full
-        if not keep:
-            return {}
-        out: dict[str, torch.Tensor] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            full = full_by_id.get(id(value))
-            if full is None:
-                full = value.detach().cpu().clone() if cpu_offload else value.detach().clone()
-            out[key] = full
-        return out
+        return state_dict.full_state_dict(self, rank0_only, cpu_offload)
+
+    def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load a full state dict that the mesh's first rank holds (the other ranks pass ``{}``),
+        scattering it unit by unit."""
+        self._check_idle("load_full_state_dict")
+        state_dict.load_full_state_dict(self, sd, strict)
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:
+        full state tensors, indexed like a plain optimizer, param_groups unchanged."""
+        self._check_idle("full_optim_state_dict")
+        return state_dict.full_optim_state_dict(self, optimizer, rank0_only)
+
+    def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
+        """Load a full optimizer state dict held by the mesh's first rank, at any world size."""
+        self._check_idle("load_full_optim_state_dict")
+        state_dict.load_full_optim_state_dict(self, optimizer, osd)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Optimizer state as ``DTensor(Shard(0))`` keyed by original parameter name, for
+        ``torch.distributed.checkpoint``."""
+        self._check_idle("sharded_optim_state_dict")
+        return state_dict.sharded_optim_state_dict(self, optimizer)
+
+    def load_sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
+        """Load what ``sharded_optim_state_dict`` gave, resharding when the world size differs."""
+        self._check_idle("load_sharded_optim_state_dict")
+        state_dict.load_sharded_optim_state_dict(self, optimizer, osd)
 
 
 _REDUCE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -546,9 +556,3 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _REDUCE_GROUPS[ranks]
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))

@@ -116,8 +116,15 @@ class RankPool:
 _pools: dict[int, RankPool] = {}
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
-    """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, over gloo."""
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, fresh: bool = False, **kwargs: Any
+) -> list[Any]:
+    """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, over gloo.
+
+    ``fresh=True`` runs it in newly started processes (as a job resumed after a restart would).
+    """
+    if fresh:
+        _drop(world_size, kill=False)
     pool = _pools.get(world_size)
     if pool is None:
         pool = _pools[world_size] = RankPool(world_size)

@@ -1,0 +1,365 @@
+"""Checkpoints: full and sharded state dicts for model and optimizer, DCP round trips across world
+sizes, resume exactness, conversion to a plain torch checkpoint, and safety under faults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from harness import RankError, run_on_ranks
+from parity import Case, build_model, build_optimizer, global_batch, loss_fn, resolve_policy
+
+GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8, optim="adamw")
+MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
+
+
+def make(case: Case):
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
+    return model, build_optimizer(case, model)
+
+
+def train(case: Case, model, opt, steps: range) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        loss_fn(case, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ---- full model state dict -----------------------------------------------------------------------
+
+
+def on_ranks_full_round_trip(case: Case, sd: dict) -> dict:
+    from shardwrap.collectives import count_collectives
+
+    model, _ = make(case)
+    model.load_full_state_dict(sd if dist.get_rank() == 0 else {})
+    with count_collectives() as counted:
+        sharded = model.state_dict()
+    views = all(
+        v.to_local().untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+        for (k, v), (n, p) in zip(((k, sharded[k]) for k, _ in model.named_parameters()), model.named_parameters())
+    )
+    bad = dict(sd) if dist.get_rank() == 0 else {}
+    if bad:
+        bad.pop("transformer.h.0.attn.c_attn.weight")
+        bad["transformer.h.1.mlp.c_fc.bias"] = torch.zeros(3)
+        bad["not.a.key"] = torch.zeros(1)
+    before = model.full_state_dict(rank0_only=False)
+    try:
+        model.load_full_state_dict(bad)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    after = model.full_state_dict(rank0_only=False)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    return {"full": model.full_state_dict(), "collectives": dict(counted), "views": views, "error": error, "unchanged": unchanged}
+
+
+def test_full_state_dict_round_trip_and_one_error_for_every_problem():
+    torch.manual_seed(5)
+    plain = models.gpt2(n_layer=2)  # other values than the ranks' seed-0 build
+    sd = plain.state_dict()
+    results = run_on_ranks(3, on_ranks_full_round_trip, GPT2, sd)
+    full = results[0]["full"]
+    assert list(full) == list(sd)
+    for k, v in sd.items():
+        assert torch.equal(full[k], v), k
+    fresh = models.gpt2(n_layer=2)
+    fresh.load_state_dict(full, strict=True)  # loads into the unwrapped model
+    for r in results:
+        assert r["collectives"] == {} and r["views"], r["collectives"]
+        for fragment in ["missing keys ['transformer.h.0.attn.c_attn.weight']", "unexpected keys ['not.a.key']",
+                         "shape mismatch for 'transformer.h.1.mlp.c_fc.bias': checkpoint (3,) vs model (128,)"]:
+            assert fragment in r["error"], r["error"]
+        assert r["unchanged"]
+
+
+def on_ranks_load_sharded_and_full(case: Case, full: dict) -> bool:
+    model, _ = make(case)
+    source, _ = make(Case(**{**case.__dict__, "seed": 9}))
+    model.load_state_dict(source.state_dict())  # DTensors
+    a = model.full_state_dict(rank0_only=False)
+    b = source.full_state_dict(rank0_only=False)
+    model.load_state_dict(full)  # full tensors on every rank
+    c = model.full_state_dict(rank0_only=False)
+    return all(torch.equal(a[k], b[k]) for k in a) and all(torch.equal(c[k], full[k]) for k in c)
+
+
+def test_load_state_dict_accepts_dtensors_and_full_tensors():
+    torch.manual_seed(3)
+    full = build_model(Case(**{**MLP.__dict__, "seed": 3})).state_dict()
+    assert all(run_on_ranks(3, on_ranks_load_sharded_and_full, MLP, full))
+
+
+# ---- DCP across world sizes, export, optimizer state ------------------------------------------------
+
+
+def on_ranks_save(case: Case, path: str, steps: int) -> dict:
+    from shardwrap import save_checkpoint
+
+    model, opt = make(case)
+    train(case, model, opt, range(steps))
+    save_checkpoint(path, model, opt)
+    return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+
+
+def on_ranks_load_and_continue(case: Case, path: str, start: int, stop: int) -> dict:
+    from shardwrap import load_checkpoint
+
+    model, opt = make(case)
+    load_checkpoint(path, model, opt)
+    loaded = {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+    train(case, model, opt, range(start, stop))
+    return {"loaded": loaded, "full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+
+
+def on_ranks_uninterrupted(case: Case, steps: int) -> dict:
+    model, opt = make(case)
+    train(case, model, opt, range(steps))
+    return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+
+
+def assert_states(a: dict, b: dict, tol: float, what: str) -> None:
+    for k in a["full"]:
+        if tol == 0:
+            assert torch.equal(a["full"][k], b["full"][k]), f"{what}: '{k}' differs"
+        else:
+            torch.testing.assert_close(a["full"][k], b["full"][k], rtol=tol, atol=tol, msg=lambda m: f"{what} '{k}': {m}")
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    for idx, entry in a["optim"]["state"].items():
+        for key, value in entry.items():
+            other = b["optim"]["state"][idx][key]
+            if tol == 0:
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), f"{what}: state {idx}.{key}"
+            else:
+                torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(other), rtol=tol, atol=tol)
+
+
+def test_dcp_saved_at_4_loads_exactly_at_2_and_3_and_exports(tmp_path):
+    from shardwrap import export_to_torch_save
+
+    case = Case(**{**GPT2.__dict__, "steps": 2})
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(4, on_ranks_save, case, path, 2)[0]
+    for world in (2, 3):
+        loaded = run_on_ranks(world, on_ranks_load_and_continue, case, path, 0, 0)[0]["loaded"]
+        assert_states(saved, loaded, 0, f"W=4 -> W={world}")
+    # The full optimizer state dict has the structure of a plain optimizer's on the unwrapped model.
+    plain = build_model(case)
+    plain_opt = build_optimizer(case, plain)
+    plain.load_state_dict(saved["full"])
+    plain_opt.load_state_dict(saved["optim"])
+    reference = plain_opt.state_dict()
+    assert [g["params"] for g in reference["param_groups"]] == [g["params"] for g in saved["optim"]["param_groups"]]
+    ordered = [p for group in plain_opt.param_groups for p in group["params"]]
+    for idx, entry in reference["state"].items():
+        assert set(entry) == set(saved["optim"]["state"][idx])
+        assert entry["exp_avg"].shape == ordered[idx].shape
+    # One torch.save file that loads into the unwrapped model.
+    out = str(tmp_path / "export.pt")
+    export_to_torch_save(path, out)
+    exported = torch.load(out, weights_only=True)
+    unwrapped = build_model(case)
+    unwrapped.load_state_dict(exported["model"], strict=True)
+    for k, v in saved["full"].items():
+        assert torch.equal(unwrapped.state_dict()[k], v), k
+
+
+# ---- resume exactness ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_in_new_processes_is_bit_exact(tmp_path, stage, optim):
+    case = Case(**{**MLP.__dict__, "stage": stage, "optim": optim})
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, on_ranks_save, case, path, 3)
+    resumed = run_on_ranks(2, on_ranks_load_and_continue, case, path, 3, 6, fresh=True)[0]
+    straight = run_on_ranks(2, on_ranks_uninterrupted, case, 6)[0]
+    assert_states(resumed, straight, 0, "resume")
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_resume_after_resharding_4_to_2(tmp_path, optim):
+    case = Case(**{**MLP.__dict__, "optim": optim})
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(4, on_ranks_save, case, path, 3)
+    resumed = run_on_ranks(2, on_ranks_load_and_continue, case, path, 3, 6)[0]
+    straight = run_on_ranks(2, on_ranks_uninterrupted, case, 6)[0]
+    assert_states(resumed, straight, 1e-6, "W=4 -> W=2")
+
+
+def on_ranks_save_full(case: Case, path: str, steps: int) -> None:
+    from shardwrap import save_full
+
+    model, opt = make(case)
+    train(case, model, opt, range(steps))
+    save_full(path, model, opt)
+
+
+def on_ranks_load_full_and_continue(case: Case, path: str, start: int, stop: int) -> dict:
+    from shardwrap import load_full
+
+    model, opt = make(case)
+    load_full(path, model, opt)
+    train(case, model, opt, range(start, stop))
+    return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_resume_through_full_state_dicts_at_another_world_size(tmp_path, optim):
+    case = Case(**{**MLP.__dict__, "optim": optim, "stage": 2})
+    path = str(tmp_path / "full.pt")
+    run_on_ranks(3, on_ranks_save_full, case, path, 3)
+    resumed = run_on_ranks(2, on_ranks_load_full_and_continue, case, path, 3, 6)[0]
+    straight = run_on_ranks(2, on_ranks_uninterrupted, case, 6)[0]
+    assert_states(resumed, straight, 1e-6, "full route")
+
+
+def on_ranks_param_groups_by_name(path: str) -> bool:
+    from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block})
+        named = list(model.named_parameters())
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if "bias" not in n and "norm" not in n], "weight_decay": 0.1, "lr": 1e-2},
+                {"params": [p for n, p in named if "bias" in n or "norm" in n], "weight_decay": 0.0, "lr": 3e-3},
+            ]
+        )
+        return model, opt
+
+    model, opt = build()
+    train(MLP, model, opt, range(2))
+    save_checkpoint(path, model, opt)
+    other, other_opt = build()
+    load_checkpoint(path, other, other_opt)
+    a, b = opt.state_dict(), other_opt.state_dict()
+    same_groups = a["param_groups"] == b["param_groups"]
+    same_state = all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    return same_groups and same_state
+
+
+def test_param_groups_chosen_by_name_survive_the_round_trip(tmp_path):
+    assert all(run_on_ranks(2, on_ranks_param_groups_by_name, str(tmp_path / "ckpt")))
+
+
+# ---- safety and faults ---------------------------------------------------------------------------
+
+
+def on_ranks_faults(path: str, other_path: str) -> dict:
+    import shardwrap.checkpoint as ckpt
+    from shardwrap import load_checkpoint, load_full, save_checkpoint, save_full
+
+    model, opt = make(MLP)
+    train(MLP, model, opt, range(2))
+    save_checkpoint(path, model, opt)
+    good = model.full_state_dict(rank0_only=False)
+    train(MLP, model, opt, range(2, 3))
+
+    real_write = ckpt._write
+
+    def dies_halfway(state, tmp):
+        real_write(state, tmp)  # data is written...
+        raise KeyboardInterrupt("killed before the rename")  # ...but the save never completes
+
+    ckpt._write = dies_halfway
+    try:
+        save_checkpoint(path, model, opt)
+        killed = False
+    except KeyboardInterrupt:
+        killed = True
+    finally:
+        ckpt._write = real_write
+    dist.barrier()
+    leftovers = [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n]
+    fresh, fresh_opt = make(MLP)
+    load_checkpoint(path, fresh, fresh_opt)  # the previous checkpoint is intact
+    previous_ok = all(torch.equal(fresh.full_state_dict(rank0_only=False)[k], v) for k, v in good.items())
+
+    errors = {}
+    before = fresh.full_state_dict(rank0_only=False)
+    opt_before = {i: {k: v.clone() for k, v in s.items()} for i, s in fresh_opt.state_dict()["state"].items()}
+
+    def unchanged() -> bool:
+        after = fresh.full_state_dict(rank0_only=False)
+        opt_after = fresh_opt.state_dict()["state"]
+        return all(torch.equal(before[k], after[k]) for k in before) and all(
+            torch.equal(opt_before[i][k], opt_after[i][k]) for i in opt_before for k in opt_before[i]
+        )
+
+    # A checkpoint of a different model.
+    from shardwrap import ShardedModule
+
+    different = ShardedModule(models.mlp(8, 1), auto_wrap_policy={models.Block})
+    save_checkpoint(other_path, different, torch.optim.SGD(different.parameters(), lr=0.1))
+    for name, action in {
+        "different_model": lambda: load_checkpoint(other_path, fresh, fresh_opt),
+        "missing": lambda: load_checkpoint(path + "-nowhere", fresh, fresh_opt),
+    }.items():
+        try:
+            action()
+            errors[name] = ("no error", unchanged())
+        except Exception as exc:
+            errors[name] = (str(exc), unchanged())
+    dist.barrier()
+    # Truncate one shard file of the good checkpoint.
+    if dist.get_rank() == 0:
+        victim = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+        with open(os.path.join(path, victim), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(path, victim)) // 3)
+    dist.barrier()
+    try:
+        load_checkpoint(path, fresh, fresh_opt)
+        errors["truncated"] = ("no error", unchanged())
+    except Exception as exc:
+        errors["truncated"] = (str(exc), unchanged())
+    # Full files: corrupted bytes, and a key/shape mismatch.
+    full_path = path + ".pt"
+    save_full(full_path, fresh, fresh_opt)
+    if dist.get_rank() == 0:
+        with open(full_path, "r+b") as f:
+            f.seek(100)
+            f.write(b"\x00garbage\x00" * 8)
+    dist.barrier()
+    wrong = fresh.full_state_dict()  # a collective: every rank calls it
+    for name in ("corrupt_full", "mismatch_full"):
+        if name == "mismatch_full" and dist.get_rank() == 0:
+            sd = dict(wrong)
+            sd["head.weight"] = torch.zeros(2, 2)
+            torch.save({"model": sd}, full_path)
+        dist.barrier()
+        try:
+            load_full(full_path, fresh, fresh_opt)
+            errors[name] = ("no error", unchanged())
+        except Exception as exc:
+            errors[name] = (str(exc), unchanged())
+    return {"killed": killed, "leftovers": leftovers, "previous_ok": previous_ok, "errors": errors}
+
+
+def test_saves_are_atomic_and_bad_checkpoints_change_nothing(tmp_path):
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    for r in run_on_ranks(2, on_ranks_faults, path, other, timeout=120):
+        assert r["killed"] and r["leftovers"] == [] and r["previous_ok"], r
+        expect = {
+            "different_model": [other],
+            "missing": [path + "-nowhere", ".metadata"],
+            "truncated": [path],
+            "corrupt_full": [path + ".pt", "could not be read"],
+            "mismatch_full": [path + ".pt", "'head.weight'", "(2, 2)"],
+        }
+        for name, fragments in expect.items():
+            message, unchanged = r["errors"][name]
+            assert all(f in message for f in fragments), (name, message)
+            assert unchanged, f"{name}: the model or optimizer changed"

@@ -264,6 +264,10 @@ class UnitHandle:
         self._reduce_input = packed  # must live until the collective completes
         self._reduce_work = collectives.reduce_scatter(self._reduced, packed, self.reduce_group, async_op=True)
 
+    def reduce_completed(self) -> bool:
+        """Whether the reduce-scatter in flight has finished (never blocks)."""
+        return self._reduce_work is None or self._reduce_work.is_completed()
+
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add this rank's average into the sharded grads.
 

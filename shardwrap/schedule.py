@@ -31,6 +31,7 @@ class CollectiveSchedule:
         self._gather_pos = 0
         self._reduce: list[UnitHandle] = []
         self._reduce_pos = 0
+        self._in_flight: list[UnitHandle] = []
 
     def clear(self) -> None:
         self.pre_forward.clear()
@@ -106,8 +107,25 @@ class CollectiveSchedule:
     def flush_reductions(self) -> None:
         """Start the reduce-scatter of every ready unit whose predecessors have all started."""
         while self._reduce_pos < len(self._reduce) and self._reduce[self._reduce_pos].grad_ready:
-            self._reduce[self._reduce_pos].start_reduce()
+            self._start_reduce(self._reduce[self._reduce_pos])
             self._reduce_pos += 1
+
+    def _start_reduce(self, handle: UnitHandle) -> None:
+        """Start ``handle``'s reduce-scatter and retire every earlier one that has completed.
+
+        Each reduce-scatter in flight holds a whole unit's packed gradient, so retiring early
+        bounds memory; it never *waits*, because a peer whose graph deferred that reduce-scatter
+        may be blocked in an all-gather this rank has yet to issue (notes/collective-schedule.md).
+        """
+        waiting = []
+        for earlier in self._in_flight:
+            if earlier.reduce_completed():
+                earlier.finish_reduce()
+            else:
+                waiting.append(earlier)
+        self._in_flight = waiting
+        handle.start_reduce()
+        self._in_flight.append(handle)
 
     def finish(self, handles: list[UnitHandle], *, sync: bool) -> None:
         """Issue what this rank's graph skipped, then (when syncing) wait for every reduction."""
@@ -116,12 +134,14 @@ class CollectiveSchedule:
         if sync:
             for handle in self._reduce[self._reduce_pos :]:
                 handle.pack_grad()  # gradient kept from no_sync micro-batches, if any
-                handle.start_reduce()
+                self._start_reduce(handle)
             for handle in handles:
                 if handle.grad_pending or handle.grad_ready:  # a unit outside the recorded forward
                     handle.pack_grad()
-                    handle.start_reduce()
+                    self._start_reduce(handle)
+            for handle in handles:
                 handle.finish_reduce()
+        self._in_flight = []
         self._gather, self._reduce = [], []
         self.prefetched.clear()
         self.clear()

@@ -1,0 +1,258 @@
+"""shardwrap side by side with torch fully_shard, FSDP1, DDP, DDP + ZeroRedundancyOptimizer and a
+single process: same model, same data, same world size, one run.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/bench.py
+
+Writes benchmarks/results/bench_W{W}.md and .png. Step times are medians over interleaved rounds;
+ratios are to fully_shard in the same run. Memory comes from benchmarks/memtrack.py (live tensor
+storages on CPU), split into the parameters, gradients and optimizer state the optimizer sees,
+and everything else (unsharded copies, communication buffers, activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from memtrack import LiveStorages, storage_bytes  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--models", default="mlp,gpt2")
+p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round")
+p.add_argument("--warmup", type=int, default=2)
+p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+IMPLS = [
+    "single", "ddp", "ddp+zero", "fsdp1 FULL_SHARD", "fsdp1 SHARD_GRAD_OP", "fully_shard", "fully_shard raf=False",
+    "shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s3 no-prefetch",
+]
+ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, fp32 AdamW
+    "single": lambda W: 16, "ddp": lambda W: 16, "ddp+zero": lambda W: 8 + 8 / W,
+    "fsdp1 FULL_SHARD": lambda W: 16 / W, "fsdp1 SHARD_GRAD_OP": lambda W: 16 / W,
+    "fully_shard": lambda W: 16 / W, "fully_shard raf=False": lambda W: 16 / W,
+    "shardwrap s1": lambda W: 8 + 16 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
+    "shardwrap s3 no-prefetch": lambda W: 16 / W,
+}
+
+
+# ---- models and data ----------------------------------------------------------------------------
+class RecipeMLP(nn.Module):  # PyTorch's ZeroRedundancyOptimizer recipe: 20 x Linear(2000)
+    def __init__(self, width: int = 2000, depth: int = 20) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def build(name: str) -> tuple[nn.Module, set]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return RecipeMLP(), {nn.Linear}
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg), {GPT2Block}
+
+
+def batch(name: str, step: int, local: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16 * world, 2000, generator=g) if name == "mlp" else torch.randint(0, 256, (4 * world, 128), generator=g)
+    return x.chunk(world)[rank] if local else x
+
+
+def loss_of(name: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean() if name == "mlp" else model(input_ids=x, labels=x).loss
+
+
+def wrap(impl: str, name: str):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from shardwrap import ShardedModule
+
+    model, units = build(name)
+    adamw = dict(lr=1e-4, weight_decay=0.1)
+    if impl in ("single",):
+        pass
+    elif impl == "ddp":
+        model = DDP(model)
+    elif impl == "ddp+zero":
+        model = DDP(model)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    elif impl.startswith("fsdp1"):
+        strategy = ShardingStrategy.FULL_SHARD if "FULL" in impl else ShardingStrategy.SHARD_GRAD_OP
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), sharding_strategy=strategy,
+                     device_id=torch.device("cpu"), use_orig_params=True)
+    elif impl.startswith("fully_shard"):
+        raf = "False" not in impl
+        for m in model.modules():
+            if isinstance(m, tuple(units)):
+                fully_shard(m, reshard_after_forward=raf)
+        fully_shard(model, reshard_after_forward=raf)
+    else:
+        stage = int(impl.split()[1][1])
+        model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2)
+    return model, torch.optim.AdamW(model.parameters(), **adamw)
+
+
+def run_steps(impl, name, model, opt, steps, start=0, tracker=None):
+    times, losses = [], []
+    for step in range(start, start + steps):
+        x = batch(name, step, local=impl != "single")
+        t0 = time.perf_counter()
+        loss = loss_of(name, model, x)
+        loss.backward()
+        if tracker is not None:
+            tracker.sample()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if tracker is not None:
+            tracker.sample()
+        opt.zero_grad(set_to_none=True)
+    return times, losses
+
+
+def split_memory(model, opt) -> dict[str, int]:
+    params = list(model.parameters())
+    p_bytes, p_seen = storage_bytes(params)
+    g_bytes, g_seen = storage_bytes([q.grad for q in params if q.grad is not None], p_seen)
+    o_tensors = [v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    o_bytes, _ = storage_bytes(o_tensors, p_seen | g_seen)
+    return {"params": p_bytes, "grads": g_bytes, "optim": o_bytes}
+
+
+results: dict[tuple[str, str], dict] = {}
+for name in args.models.split(","):
+    times: dict[str, list[float]] = {i: [] for i in IMPLS}
+    losses: dict[str, float] = {}
+    for rnd in range(args.rounds):
+        order = IMPLS if rnd % 2 == 0 else IMPLS[::-1]  # interleave, alternating the order
+        for impl in order:
+            dist.barrier()
+            if impl == "single" and rank != 0:
+                dist.barrier()
+                continue
+            model, opt = wrap(impl, name)
+            run_steps(impl, name, model, opt, args.warmup)
+            t, l = run_steps(impl, name, model, opt, args.steps, start=args.warmup)
+            times[impl] += t
+            losses[impl] = l[-1]
+            del model, opt
+            if impl == "single":
+                dist.barrier()
+    # Memory pass: one implementation at a time, two steps under the tracker.
+    memory = {}
+    for impl in IMPLS:
+        dist.barrier()
+        if impl == "single" and rank != 0:
+            dist.barrier()
+            continue
+        model, opt = wrap(impl, name)
+        run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
+        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()))
+        tracker.track(v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v))
+        if hasattr(opt, "optim"):
+            tracker.track(v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v))
+        with tracker:
+            run_steps(impl, name, model, opt, 1, start=1, tracker=tracker)
+            # steady state: after the step, before zero_grad
+            x = batch(name, 2, local=impl != "single")
+            loss_of(name, model, x).backward()
+            opt.step()
+            steady = tracker.sample()
+            split = split_memory(model, getattr(opt, "optim", opt))
+        memory[impl] = {"peak": tracker.peak, "steady": steady, **split}
+        psi = sum(q.numel() for q in build(name)[0].parameters())
+        memory[impl]["psi"] = psi
+        del model, opt, tracker
+        if impl == "single":
+            dist.barrier()
+    # Gather rank 0's and rank 1's figures.
+    mine = {"times": times, "losses": losses, "memory": memory}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    results[name] = everyone
+
+if rank == 0:
+    os.makedirs(args.out, exist_ok=True)
+    lines = [f"# Benchmark: W={world}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+             f"{args.rounds} interleaved rounds x {args.steps} timed steps, fp32 AdamW\n"]
+    for name, ranks in results.items():
+        r0 = ranks[0]
+        psi = r0["memory"]["ddp"]["psi"]
+        ref = statistics.median(r0["times"]["fully_shard"])
+        lines.append(f"\n## {name} (Psi = {psi / 1e6:.2f}M parameters)\n")
+        lines.append("| implementation | step ms (median) | / fully_shard | final loss | peak MiB r0 / r1 | steady MiB r0 | params / grads / optim MiB r0 | steady / ZeRO formula |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for impl in IMPLS:
+            med = statistics.median(r0["times"][impl]) * 1e3
+            m0 = r0["memory"][impl]
+            peak1 = ranks[1]["memory"].get(impl, {}).get("peak") if world > 1 else None
+            model_state = m0["params"] + m0["grads"] + m0["optim"]
+            formula = ZERO[impl](world if impl != "single" else 1) * 4 * psi / 4  # bytes
+            lines.append(
+                f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {r0['losses'][impl]:.5f} | "
+                f"{m0['peak'] / 2**20:.1f} / {'-' if peak1 is None else f'{peak1 / 2**20:.1f}'} | {m0['steady'] / 2**20:.1f} | "
+                f"{m0['params'] / 2**20:.1f} / {m0['grads'] / 2**20:.1f} / {m0['optim'] / 2**20:.1f} | "
+                f"{(m0['steady'] - 0) / formula:.2f} |"
+            )
+        lines.append("\n'steady' is every live tensor storage after the optimizer step; the ZeRO formula counts "
+                     "parameters, gradients and AdamW state only (16 bytes per parameter, divided as the stage divides them).")
+    text = "\n".join(lines) + "\n"
+    path = os.path.join(args.out, f"bench_W{world}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(len(results), 2, figsize=(14, 4.5 * len(results)), squeeze=False)
+        for row, (name, ranks) in enumerate(results.items()):
+            r0 = ranks[0]
+            labels = IMPLS
+            ax = axes[row][0]
+            bottom = [0.0] * len(labels)
+            for cat in ("params", "grads", "optim"):
+                vals = [r0["memory"][i][cat] / 2**20 for i in labels]
+                ax.bar(labels, vals, bottom=bottom, label=cat)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            other = [max(0.0, r0["memory"][i]["peak"] / 2**20 - b) for i, b in zip(labels, bottom)]
+            ax.bar(labels, other, bottom=bottom, label="other at peak (unsharded, comm, activations)")
+            ax.set_title(f"{name}: rank-0 memory (MiB)")
+            ax.tick_params(axis="x", rotation=60)
+            ax.legend(fontsize=7)
+            ax = axes[row][1]
+            ax.bar(labels, [statistics.median(r0["times"][i]) * 1e3 for i in labels], color="gray")
+            ax.set_title(f"{name}: median step time (ms)")
+            ax.tick_params(axis="x", rotation=60)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, f"bench_W{world}.png"), dpi=80)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+dist.barrier()
+dist.destroy_process_group()

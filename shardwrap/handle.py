@@ -8,6 +8,7 @@ by the hooks in ``sharded_module.py`` and the order by ``schedule.py``.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum, auto
 from typing import Callable, Sequence
 
@@ -35,6 +36,8 @@ class TrainingState(Enum):
     FORWARD = auto()
     BACKWARD = auto()
 
+
+_WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-reduce-waiter")
 
 Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
 
@@ -121,6 +124,7 @@ class UnitHandle:
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
         self._reduce_work: dist.Work | None = None
+        self._reduce_done: Future | None = None
         self._used_here = False
         self.install_sharded_params()
 
@@ -263,10 +267,13 @@ class UnitHandle:
         self._reduced = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
         self._reduce_input = packed  # must live until the collective completes
         self._reduce_work = collectives.reduce_scatter(self._reduced, packed, self.reduce_group, async_op=True)
+        # gloo's Work reports completion only once someone waits on it; a waiter thread does, so
+        # reduce_completed() can be polled without blocking this thread.
+        self._reduce_done = _WAITER.submit(self._reduce_work.wait) if self._reduce_work is not None else None
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""
-        return self._reduce_work is None or self._reduce_work.is_completed()
+        return self._reduce_done is None or self._reduce_done.done()
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add this rank's average into the sharded grads.
@@ -279,7 +286,7 @@ class UnitHandle:
         if self._reduce_work is not None:
             self._reduce_work.wait()
         reduced, S = self._reduced, self.layout.grad_shard_numel
-        self._reduced = self._reduce_input = self._reduce_work = None
+        self._reduced = self._reduce_input = self._reduce_work = self._reduce_done = None
         if not self._used_here and reduced[S].item() == 0:
             return
         sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision

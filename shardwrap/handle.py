@@ -283,8 +283,10 @@ class UnitHandle:
         """
         if self._reduced is None:
             return
+        if self._reduce_done is not None:
+            self._reduce_done.result()  # never wait on one Work from two threads at once
         if self._reduce_work is not None:
-            self._reduce_work.wait()
+            self._reduce_work.wait()  # on NCCL this orders the current stream after the collective
         reduced, S = self._reduced, self.layout.grad_shard_numel
         self._reduced = self._reduce_input = self._reduce_work = self._reduce_done = None
         if not self._used_here and reduced[S].item() == 0:

@@ -13,7 +13,7 @@ import dataclasses
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ def _plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[_UnitPla
     return [u for u in units if u.params or u.parent is None]
 
 
-def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
+def _check_unit_tensors(units: list[_UnitPlan], *, meta_ok: bool = False) -> torch.device:
     """Every unit's parameters share one device and dtype; all units share one device."""
     device: torch.device | None = None
     first = ""
@@ -136,11 +136,11 @@ def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
                     f"'{first}' is on {device}; move the whole model to one device (this rank's "
                     f"cpu or cuda:LOCAL_RANK) before wrapping"
                 )
-            if p.device.type == "meta":
+            if p.device.type == "meta" and not meta_ok:
                 raise ValueError(
-                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on the meta device; "
-                    f"materialize the model (for example with module.to_empty(device=...) and "
-                    f"reset_parameters()) before wrapping"
+                    f"ShardedModule: parameter '{fqn}' of unit {unit.label} is on the meta device but "
+                    f"other tensors of the model are not; build the whole model on meta (ShardedModule "
+                    f"then materializes each unit), or none of it"
                 )
             if not p.is_floating_point():
                 raise TypeError(
@@ -154,6 +154,90 @@ def _check_unit_tensors(units: list[_UnitPlan]) -> torch.device:
                     f"(use MixedPrecision for low-precision compute), or put '{fqn}' in its own unit"
                 )
     return device or torch.device("cpu")
+
+
+def _meta_init_check(root: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> bool:
+    """Whether ``root`` is built on the meta device; if so, whether every module holding meta
+    tensors can be initialized. Mixed meta and real tensors are refused later as mixed devices."""
+    tensors = list(root.parameters()) + list(root.buffers())
+    if not tensors or not all(t.is_meta for t in tensors):
+        return False
+    if param_init_fn is not None:
+        return True
+    for name, module in root.named_modules():
+        holds = any(t is not None for t in list(module._parameters.values()) + list(module._buffers.values()))
+        if holds and not callable(getattr(module, "reset_parameters", None)):
+            raise ValueError(
+                f"ShardedModule: module '{name}' ({type(module).__name__}) is on the meta device and has no "
+                f"reset_parameters(); pass param_init_fn=fn, where fn(module) fills the module's own "
+                f"parameters and recomputes its buffers (rotary tables, causal masks) after materialization"
+            )
+    return True
+
+
+def _init_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _materialize(
+    root: nn.Module, plans: list[_UnitPlan], device: torch.device, init_fn: Callable[[nn.Module], None] | None
+) -> Iterator[int]:
+    """Materialize and initialize modules in pre-order (the order their constructors ran), and
+    yield each unit's index as soon as every module holding its parameters is done, so the unit
+    can be sharded and its full tensors freed before the next one is built
+    (design/notes/meta-init.md)."""
+    where: dict[int, tuple[int, int]] = {id(p): (u, j) for u, plan in enumerate(plans) for j, p in enumerate(plan.params)}
+    waiting = [{id(m) for slots in plan.slots for m, _ in slots} for plan in plans]
+    for module in root.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                u, j = where[id(param)]
+                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                for m, a in plans[u].slots[j]:  # every place that shares it (tied weights)
+                    m._parameters[a] = real
+                plans[u].params[j] = real
+        for attr, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[attr] = torch.empty_like(buf, device=device)
+        if any(t is not None for t in list(module._parameters.values()) + list(module._buffers.values())):
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(module)
+                else:
+                    module.reset_parameters()  # type: ignore[operator]
+        for u, remaining in enumerate(waiting):
+            if id(module) in remaining:
+                remaining.discard(id(module))
+                if not remaining:
+                    yield u
+    for u, remaining in enumerate(waiting):
+        if remaining:  # a unit whose modules are not in root.modules() (cannot happen) or empty
+            yield u
+
+
+def _broadcast_params(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Every rank takes the first rank's values for one unit (one collective)."""
+    if not params:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        collectives.broadcast(flat, group)
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(piece.view_as(p))
+
+
+def _broadcast_buffers(root: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every rank takes the first rank's buffers (one collective per dtype)."""
+    buffers = list(root.buffers())
+    with torch.no_grad():
+        for dtype in sorted({b.dtype for b in buffers}, key=str):  # same order on every rank
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            collectives.broadcast(flat, group)
+            for b, piece in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(piece.view_as(b))
 
 
 def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
@@ -224,6 +308,7 @@ class ShardedModule(nn.Module):
         mesh: DeviceMesh | None = None,
         mixed_precision: MixedPrecision | None = None,
         max_unsharded: int = 2,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         # --- validate everything before changing any state ---
         if not (dist.is_available() and dist.is_initialized()):
@@ -256,7 +341,11 @@ class ShardedModule(nn.Module):
         policy = as_policy(auto_wrap_policy)
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
-        device = _check_unit_tensors(plans)
+        on_meta = _meta_init_check(module, param_init_fn)
+        init_device = _init_device() if on_meta else None
+        device = _check_unit_tensors(plans, meta_ok=on_meta)
+        if init_device is not None:
+            device = init_device
         if mesh is not None:
             _check_mesh(mesh, device)
 
@@ -267,27 +356,38 @@ class ShardedModule(nn.Module):
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         group = self.mesh.get_group()
-        if self.mesh.size() > 1:
-            self._broadcast_from_first_rank(plans, group)
         names = [p.name or "<root>" for p in plans]
         reduce_group = _reduce_group_for(group)
-        self._handles = [
-            UnitHandle(
-                name=names[i], index=i, unit_names=names, params=p.params, fqns=p.fqns, slots=p.slots,
+        # id(sharded param) -> (handle, slot index), for state dicts
+        self._param_index: dict[int, tuple[UnitHandle, int]] = {}
+        built: dict[int, UnitHandle] = {}
+
+        def build(i: int) -> None:
+            plan = plans[i]
+            if self.mesh.size() > 1:
+                _broadcast_params(plan.params, group)
+            handle = UnitHandle(
+                name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns, slots=plan.slots,
                 mesh=self.mesh, reduce_group=reduce_group, param_dtype=self.mixed_precision.param_dtype,
                 reduce_dtype=self.mixed_precision.reduce_dtype, keep_unsharded_grad=stage == 1,
             )
-            for i, p in enumerate(plans)
-        ]
-        # id(sharded param) -> (handle, slot index), for state dicts
-        self._param_index: dict[int, tuple[UnitHandle, int]] = {}
-        for handle, plan in zip(self._handles, plans):
             handle.on_grad_ready = self._post_backward
-            for i, (old, new) in enumerate(zip(plan.params, handle.sharded_params)):
-                self._param_index[id(new)] = (handle, i)
-                _RETIRED_PARAMS[old] = plan.fqns[i]
+            for j, (old, new) in enumerate(zip(plan.params, handle.sharded_params)):
+                self._param_index[id(new)] = (handle, j)
+                _RETIRED_PARAMS[old] = plan.fqns[j]
             plan.module.register_forward_pre_hook(self._make_pre_forward(handle), prepend=True)
             plan.module.register_forward_hook(self._make_post_forward(handle))
+            built[i] = handle
+
+        if on_meta:  # materialize module by module; shard each unit as soon as it is complete
+            for i in _materialize(module, plans, init_device, param_init_fn):
+                build(i)
+        else:
+            for i in range(len(plans)):
+                build(i)
+        self._handles = [built[i] for i in range(len(plans))]
+        if self.mesh.size() > 1:
+            _broadcast_buffers(module, group)
         for sub in module.modules():
             _MANAGED_MODULES.add(sub)
         global _optimizer_hook_installed
@@ -305,25 +405,6 @@ class ShardedModule(nn.Module):
                     for name, buf in sub._buffers.items():
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
-
-    @staticmethod
-    def _broadcast_from_first_rank(plans: list[_UnitPlan], group: dist.ProcessGroup) -> None:
-        """Make every rank hold the first rank's parameters and buffers (one collective per unit,
-        one per buffer dtype)."""
-        with torch.no_grad():
-            for plan in plans:
-                if plan.params:
-                    flat = torch.cat([p.detach().reshape(-1) for p in plan.params])
-                    collectives.broadcast(flat, group)
-                    for p, piece in zip(plan.params, flat.split([p.numel() for p in plan.params])):
-                        p.copy_(piece.view_as(p))
-            buffers = [b for b in plans[0].module.buffers()]
-            for dtype in sorted({b.dtype for b in buffers}, key=str):  # same order on every rank
-                same = [b for b in buffers if b.dtype == dtype]
-                flat = torch.cat([b.reshape(-1) for b in same])
-                collectives.broadcast(flat, group)
-                for b, piece in zip(same, flat.split([b.numel() for b in same])):
-                    b.copy_(piece.view_as(b))
 
     # ---- the original names -------------------------------------------------------------------
 

@@ -323,3 +323,39 @@ class FlipMLP(MLP):
 
 def flip_mlp(dim: int = 16, depth: int = 3) -> nn.Module:
     return FlipMLP(dim, depth)
+
+
+class CausalMix(nn.Module):
+    """Holds a non-persistent causal mask buffer, recomputed by reset_parameters (as a model built
+    on the meta device needs)."""
+
+    def __init__(self, dim: int = 16, seq: int = 6) -> None:
+        super().__init__()
+        self.seq = seq
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)) / torch.arange(1, seq + 1).unsqueeze(1), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.mask.copy_(torch.tril(torch.ones(self.seq, self.seq)) / torch.arange(1, self.seq + 1).unsqueeze(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D): causal average, then a projection
+        return x + self.proj(self.mask @ x)
+
+
+class MetaNet(nn.Module):
+    def __init__(self, dim: int = 16, seq: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.mixes = nn.ModuleList(CausalMix(dim, seq) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for mix, block in zip(self.mixes, self.blocks):
+            x = block(mix(x))
+        return self.head(x)
+
+
+def meta_net(dim: int = 16, seq: int = 6) -> nn.Module:
+    return MetaNet(dim, seq)

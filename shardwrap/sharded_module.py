@@ -217,6 +217,16 @@ def _materialize(
             yield u
 
 
+def _share_rng_state(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Give every rank the first rank's random generator state, so that initializing the same
+    modules in the same order draws the same numbers everywhere: no parameter needs a broadcast."""
+    states: list[Any] = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
 def _broadcast_params(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Every rank takes the first rank's values for one unit (one collective)."""
     if not params:
@@ -364,7 +374,7 @@ class ShardedModule(nn.Module):
 
         def build(i: int) -> None:
             plan = plans[i]
-            if self.mesh.size() > 1:
+            if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
                 _broadcast_params(plan.params, group)
             handle = UnitHandle(
                 name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns, slots=plan.slots,
@@ -378,8 +388,11 @@ class ShardedModule(nn.Module):
             plan.module.register_forward_pre_hook(self._make_pre_forward(handle), prepend=True)
             plan.module.register_forward_hook(self._make_post_forward(handle))
             built[i] = handle
+            plan.params = []  # the full tensors: free them now, not when __init__ returns
 
         if on_meta:  # materialize module by module; shard each unit as soon as it is complete
+            if self.mesh.size() > 1:
+                _share_rng_state(group, init_device)
             for i in _materialize(module, plans, init_device, param_init_fn):
                 build(i)
         else:

@@ -4,7 +4,7 @@ single process: same model, same data, same world size, one run.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/bench.py
 
 Writes benchmarks/results/bench_W{W}.md and .png. Step times are medians over interleaved rounds;
-ratios are to fully_shard in the same run. Memory comes from benchmarks/memtrack.py (live tensor
+ratios are to fully_shard in the same run. Memory comes from shardwrap/memory.py (live tensor
 storages on CPU), split into the parameters, gradients and optimizer state the optimizer sees,
 and everything else (unsharded copies, communication buffers, activations).
 """
@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from memtrack import LiveStorages, storage_bytes  # noqa: E402
+from shardwrap.memory import LiveStorages, model_state_bytes, unsharded_tensors
 
 p = argparse.ArgumentParser()
 p.add_argument("--models", default="mlp,gpt2")
@@ -134,15 +132,6 @@ def run_steps(impl, name, model, opt, steps, start=0, tracker=None):
     return times, losses
 
 
-def split_memory(model, opt) -> dict[str, int]:
-    params = list(model.parameters())
-    p_bytes, p_seen = storage_bytes(params)
-    g_bytes, g_seen = storage_bytes([q.grad for q in params if q.grad is not None], p_seen)
-    o_tensors = [v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    o_bytes, _ = storage_bytes(o_tensors, p_seen | g_seen)
-    return {"params": p_bytes, "grads": g_bytes, "optim": o_bytes}
-
-
 results: dict[tuple[str, str], dict] = {}
 for name in args.models.split(","):
     times: dict[str, list[float]] = {i: [] for i in IMPLS}
@@ -171,7 +160,7 @@ for name in args.models.split(","):
             continue
         model, opt = wrap(impl, name)
         run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
-        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()))
+        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model))
         tracker.track(v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v))
         if hasattr(opt, "optim"):
             tracker.track(v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v))
@@ -182,7 +171,7 @@ for name in args.models.split(","):
             loss_of(name, model, x).backward()
             opt.step()
             steady = tracker.sample()
-            split = split_memory(model, getattr(opt, "optim", opt))
+            split = model_state_bytes(model, opt)
         memory[impl] = {"peak": tracker.peak, "steady": steady, **split}
         psi = sum(q.numel() for q in build(name)[0].parameters())
         memory[impl]["psi"] = psi

@@ -11,6 +11,7 @@ else a corpus generated from a small grammar, so nothing is fetched at run time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from shardwrap import ShardedModule
+from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
 
 # ---- defaults ---------------------------------------------------------------------------------
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,6 +39,12 @@ p.add_argument("--weight-decay", type=float, default=0.1)
 p.add_argument("--log-every", type=int, default=25)
 p.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "data", "corpus.txt"))
 p.add_argument("--seed", type=int, default=1337)
+p.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none")
+p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; all but the last run under no_sync()")
+p.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 turns clipping off")
+p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every N steps (0: never)")
+p.add_argument("--ckpt-dir", default="checkpoints/gpt2")
+p.add_argument("--resume", default="", help="a checkpoint directory, or 'auto' for the latest in --ckpt-dir")
 args = p.parse_args()
 
 # ---- processes and devices --------------------------------------------------------------------
@@ -91,7 +98,8 @@ config = GPT2Config(
 )
 model = GPT2LMHeadModel(config).to(device)
 n_params = sum(p.numel() for p in model.parameters())
-model = ShardedModule(model, auto_wrap_policy={GPT2Block}, stage=args.stage)
+dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
+model = ShardedModule(model, auto_wrap_policy={GPT2Block}, stage=args.stage, mixed_precision=MixedPrecision(param_dtype=dtype))
 
 # nanoGPT's grouping: decay 2-D weights, not biases and norms.
 decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -118,39 +126,57 @@ def model_state_mib() -> float:
     return sum(storages.values()) / 2**20
 
 
+step = 0
+if args.resume:  # checkpoints are directories named step_NNNNNN; the step comes from the name
+    path = args.resume
+    if path == "auto":
+        found = sorted(d for d in os.listdir(args.ckpt_dir) if d.startswith("step_")) if os.path.isdir(args.ckpt_dir) else []
+        path = os.path.join(args.ckpt_dir, found[-1]) if found else ""
+    if path:
+        load_checkpoint(path, model, opt)
+        step = int(os.path.basename(path.rstrip("/")).split("_")[-1])
 if rank == 0:
-    print(f"GPT-2 {n_params / 1e6:.2f}M params, {world} ranks, stage {args.stage}, {device}, {len(dataset)} windows")
+    print(f"GPT-2 {n_params / 1e6:.2f}M params, {world} ranks, stage {args.stage}, {args.mixed_precision}, "
+          f"{device}, {len(dataset)} windows, starting at step {step}")
 
 # ---- training loop ------------------------------------------------------------------------------
 try:
     from tqdm import tqdm
 
-    bar = tqdm(total=args.steps, disable=rank != 0, ncols=100)
+    bar = tqdm(total=args.steps, initial=step, disable=rank != 0, ncols=100)
 except ImportError:  # tqdm is optional
     bar = None
-step, epoch, t0, tokens = 0, 0, time.perf_counter(), 0
+epoch, t0, tokens = 0, time.perf_counter(), 0
 first_loss = last_loss = float("nan")
 while step < args.steps:
     sampler.set_epoch(epoch)
     for batch in loader:
         batch = batch.to(device)
-        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-byte targets
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        logits = model(input_ids=x).logits  # (B, T, 256)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
+        micro_batches = batch.chunk(args.grad_accum)
+        for i, micro in enumerate(micro_batches):
+            x, y = micro[:, :-1], micro[:, 1:]  # (B, T) inputs and next-byte targets
+            sync = i == len(micro_batches) - 1  # only the last micro-batch communicates
+            with model.no_sync() if not sync else contextlib.nullcontext():
+                logits = model(input_ids=x).logits  # (B, T, 256)
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                (loss / len(micro_batches)).backward()
+        if args.clip > 0:
+            model.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tokens += x.numel() * world
+        tokens += batch[:, :-1].numel() * world
         step += 1
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(os.path.join(args.ckpt_dir, f"step_{step:06d}"), model, opt)
         if bar is not None:
             bar.update(1)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             avg = avg.item() / world
-            first_loss = avg if step == 1 else first_loss
+            first_loss = avg if math.isnan(first_loss) else first_loss
             last_loss = avg
             mem = torch.tensor([model_state_mib()])
             mems = [torch.zeros(1) for _ in range(world)]

@@ -1,4 +1,4 @@
-"""A CPU-friendly tracker of live tensor storages.
+"""A CPU-friendly tracker of live tensor storages (used by the examples and the benchmark).
 
 A ``TorchDispatchMode`` keeps a weak reference to every tensor an op returns; every ``every`` ops
 (and whenever ``sample()`` is called) it sums the current ``nbytes`` of the distinct live storages
@@ -55,7 +55,7 @@ class LiveStorages(TorchDispatchMode):
         self.peak = max(self.peak, total)
         return total
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def, override]
         out = func(*args, **(kwargs or {}))
         flat = out if isinstance(out, (list, tuple)) else [out]
         self.track(t for t in flat if isinstance(t, torch.Tensor))
@@ -63,3 +63,24 @@ class LiveStorages(TorchDispatchMode):
         if self.count % self.every == 0:
             self.sample()
         return out
+
+
+def unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A ShardedModule's unsharded parameter buffers and gradients (empty for other models)."""
+    units = getattr(model, "units", None) or []
+    internal = [h._padded_unsharded for h in units] + [h.unsharded_trainable.grad for h in units]
+    return [t for t in internal if t is not None]
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, as the optimizer sees them
+    (distinct storages; DTensors count their local shard)."""
+    params = list(model.parameters())
+    p_bytes, p_seen = storage_bytes(params)
+    g_bytes, g_seen = storage_bytes([p.grad for p in params if p.grad is not None], p_seen)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local optimizer
+    states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    o_bytes, _ = storage_bytes(states, p_seen | g_seen)
+    out = {"params": p_bytes, "grads": g_bytes, "optim": o_bytes}
+    out["unsharded"], _ = storage_bytes(unsharded_tensors(model))  # stages 1 and 2 keep them
+    return out

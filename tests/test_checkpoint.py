@@ -189,8 +189,9 @@ def test_resume_in_new_processes_is_bit_exact(tmp_path, stage, optim):
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_resume_after_resharding_4_to_2(tmp_path, optim):
-    case = Case(**{**MLP.__dict__, "optim": optim})
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_after_resharding_4_to_2(tmp_path, stage, optim):
+    case = Case(**{**MLP.__dict__, "optim": optim, "stage": stage})
     path = str(tmp_path / "ckpt")
     run_on_ranks(4, on_ranks_save, case, path, 3)
     resumed = run_on_ranks(2, on_ranks_load_and_continue, case, path, 3, 6)[0]
@@ -216,8 +217,9 @@ def on_ranks_load_full_and_continue(case: Case, path: str, start: int, stop: int
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_resume_through_full_state_dicts_at_another_world_size(tmp_path, optim):
-    case = Case(**{**MLP.__dict__, "optim": optim, "stage": 2})
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_through_full_state_dicts_at_another_world_size(tmp_path, stage, optim):
+    case = Case(**{**MLP.__dict__, "optim": optim, "stage": stage})
     path = str(tmp_path / "full.pt")
     run_on_ranks(3, on_ranks_save_full, case, path, 3)
     resumed = run_on_ranks(2, on_ranks_load_full_and_continue, case, path, 3, 6)[0]

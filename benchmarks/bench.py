@@ -12,6 +12,7 @@ and everything else (unsharded copies, communication buffers, activations).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -147,7 +148,7 @@ for name in args.models.split(","):
             run_steps(impl, name, model, opt, args.warmup)
             t, l = run_steps(impl, name, model, opt, args.steps, start=args.warmup)
             times[impl] += t
-            losses[impl] = l[-1]
+            losses[impl] = l[-1]  # this rank's loss on its part of the batch
             del model, opt
             if impl == "single":
                 dist.barrier()
@@ -184,8 +185,17 @@ for name in args.models.split(","):
     dist.all_gather_object(everyone, mine)
     results[name] = everyone
 
+def global_loss(ranks: list, impl: str) -> float:
+    """The loss on the whole global batch: single's own, or the mean of the ranks' equal parts."""
+    if impl == "single":
+        return ranks[0]["losses"][impl]
+    return sum(r["losses"][impl] for r in ranks) / len(ranks)
+
+
 if rank == 0:
     os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"bench_W{world}.json"), "w") as f:
+        json.dump(results, f)
     lines = [f"# Benchmark: W={world}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
              f"{args.rounds} interleaved rounds x {args.steps} timed steps, fp32 AdamW\n"]
     for name, ranks in results.items():
@@ -202,7 +212,7 @@ if rank == 0:
             model_state = m0["params"] + m0["grads"] + m0["optim"]
             formula = ZERO[impl](world if impl != "single" else 1) * 4 * psi / 4  # bytes
             lines.append(
-                f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {r0['losses'][impl]:.5f} | "
+                f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {global_loss(ranks, impl):.5f} | "
                 f"{m0['peak'] / 2**20:.1f} / {'-' if peak1 is None else f'{peak1 / 2**20:.1f}'} | {m0['steady'] / 2**20:.1f} | "
                 f"{m0['params'] / 2**20:.1f} / {m0['grads'] / 2**20:.1f} / {m0['optim'] / 2**20:.1f} | "
                 f"{(m0['steady'] - 0) / formula:.2f} |"

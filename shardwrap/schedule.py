@@ -97,6 +97,7 @@ class CollectiveSchedule:
                 if current is handle:
                     break
         self.prefetched.discard(handle)
+        self.retire_reductions()  # before this unit's buffers are allocated
         handle.unshard()  # finishes a prefetch, or re-gathers a unit outside the schedule
         if self._gather_pos < len(self._gather) and len(self.prefetched) + 1 < self.max_unsharded:
             ahead = self._gather[self._gather_pos]
@@ -111,11 +112,16 @@ class CollectiveSchedule:
             self._reduce_pos += 1
 
     def _start_reduce(self, handle: UnitHandle) -> None:
-        """Start ``handle``'s reduce-scatter and retire every earlier one that has completed.
+        """Start ``handle``'s reduce-scatter, after retiring every earlier one that completed."""
+        self.retire_reductions()
+        handle.start_reduce()
+        self._in_flight.append(handle)
 
-        Each reduce-scatter in flight holds a whole unit's packed gradient, so retiring early
-        bounds memory; it never *waits*, because a peer whose graph deferred that reduce-scatter
-        may be blocked in an all-gather this rank has yet to issue (notes/collective-schedule.md).
+    def retire_reductions(self) -> None:
+        """Apply every completed reduce-scatter and free its packed gradient (a whole unit each).
+
+        Never *waits*: a peer whose graph deferred that reduce-scatter may be blocked in an
+        all-gather this rank has yet to issue (notes/collective-schedule.md).
         """
         waiting = []
         for earlier in self._in_flight:
@@ -124,8 +130,6 @@ class CollectiveSchedule:
             else:
                 waiting.append(earlier)
         self._in_flight = waiting
-        handle.start_reduce()
-        self._in_flight.append(handle)
 
     def finish(self, handles: list[UnitHandle], *, sync: bool) -> None:
         """Issue what this rank's graph skipped, then (when syncing) wait for every reduction."""

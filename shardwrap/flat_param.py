@@ -29,7 +29,7 @@ class ParamSlot:
     """Where one original parameter sits in its unit's flat parameter."""
 
     fqn: str  # first name under which the unwrapped model lists it
-    shape: torch.Size  # original shape; 0-dim parameters are sharded as shape (1,)
+    shape: torch.Size  # original shape; 0-dim parameters are replicated, one element per rank
     rows_per_rank: int  # ceil(dim0 / W): the padded chunk height
     inner: int  # numel of one row (product of the trailing dims)
     shard_offset: int  # offset of this parameter's chunk inside a rank's flat shard
@@ -44,12 +44,23 @@ class ParamSlot:
         """Elements this parameter contributes to every rank's shard, padding included."""
         return self.rows_per_rank * self.inner
 
+    @property
+    def replicated(self) -> bool:
+        """0-dim parameters cannot be chunked: every rank holds the value (notes/dim0-layout.md)."""
+        return len(self.shape) == 0
+
     def local_rows(self, rank: int) -> int:
         """Rows of ``torch.chunk(p, W)[rank]``; zero for ranks past the last chunk."""
+        if self.replicated:
+            return 1
         return max(0, min(self.rows_per_rank, self.dim0 - rank * self.rows_per_rank))
 
+    def first_row(self, rank: int) -> int:
+        """Where this rank's rows start in the full parameter."""
+        return 0 if self.replicated or not self.local_rows(rank) else rank * self.rows_per_rank
+
     def sharded_shape(self, rank: int) -> tuple[int, ...]:
-        return (self.local_rows(rank), *self.shape[1:])
+        return () if self.replicated else (self.local_rows(rank), *self.shape[1:])
 
 
 class FlatLayout:
@@ -124,12 +135,15 @@ class FlatLayout:
         rows = out.view(W, self.grad_shard_numel + 1).narrow(1, 0, self.grad_shard_numel)
         pieces = padded_grad.split(self.padded_sizes[:n])
         torch.cat([p.view(W, c) for p, c in zip(pieces, self.chunk_sizes[:n])], dim=1, out=rows)
+        for s in self.slots[:n]:
+            if s.replicated:  # every rank's copy receives the sum of every rank's gradient
+                rows[:, s.shard_offset] = rows[0, s.shard_offset]
 
     def fill_shard_from_full(self, full: Sequence[torch.Tensor], shard: torch.Tensor, rank: int) -> None:
         """Write row-chunk ``rank`` of each full tensor into ``shard``; padding becomes zero."""
         for s, tensor in zip(self.slots, full):
             dst = shard.narrow(0, s.shard_offset, s.chunk_numel)
             rows = s.local_rows(rank)
-            src = tensor.reshape(s.dim0, s.inner).narrow(0, rank * s.rows_per_rank if rows else 0, rows)
+            src = tensor.reshape(s.dim0, s.inner).narrow(0, s.first_row(rank), rows)
             dst.narrow(0, 0, rows * s.inner).copy_(src.reshape(-1))
             dst.narrow(0, rows * s.inner, s.chunk_numel - rows * s.inner).zero_()

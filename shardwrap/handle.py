@@ -108,6 +108,9 @@ class UnitHandle:
             nn.Parameter(view, requires_grad=slot.requires_grad)
             for view, slot in zip(layout.sharded_views(self.sharded_local, self.rank), layout.slots)
         ]
+        for param, slot in zip(self.sharded_params, layout.slots):
+            if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
+                param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn))
 
         # Unsharded buffer (param_dtype), allocated now to create the aliases, then freed.
         self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
@@ -135,6 +138,16 @@ class UnitHandle:
     @property
     def gathering(self) -> bool:
         return self._pending_gather is not None
+
+    def _make_used_outside(self, fqn: str) -> Callable[[torch.Tensor], None]:
+        def used_outside(param: torch.Tensor) -> None:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: parameter '{fqn}' of unit '{self.name}' was used outside that "
+                f"unit's forward (autograd reached its local shard). Read a unit's parameters only inside "
+                f"its own forward, or let auto_wrap_policy put the code that reads it in the same unit"
+            )
+
+        return used_outside
 
     # ---- data-state transitions ---------------------------------------------------------------
 

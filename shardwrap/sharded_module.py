@@ -558,9 +558,11 @@ class ShardedModule(nn.Module):
         norm_type = float(norm_type)
         group = self.mesh.get_group()
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
+        first = self.mesh.get_local_rank() == 0
+        counted = [g for g in grads if g.dim() > 0 or first]  # 0-dim parameters are replicated: count once
         device = self._handles[0].device
         if norm_type == float("inf"):
-            local_max = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+            local_max = torch.stack([g.abs().max().float() for g in counted]).max() if counted else torch.zeros((), device=device)
             stats = torch.stack([local_max, torch.isnan(local_max).float()]).to(device)
             nan_count = stats[1:].clone()
             collectives.all_reduce_sum(nan_count, group)
@@ -568,7 +570,7 @@ class ShardedModule(nn.Module):
             collectives.all_reduce_max(peak, group)
             total = torch.where(nan_count > 0, torch.full_like(peak, float("nan")), peak)[0]
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            local = sum((g.float().abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device))
             summed = local.reshape(1).clone()
             collectives.all_reduce_sum(summed, group)
             total = summed[0].pow(1.0 / norm_type)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwrap import collectives
 from shardwrap.flat_param import ParamSlot
@@ -30,6 +30,8 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
+    if slot.replicated:
+        return DTensor.from_local(local, model.mesh, [Replicate()], run_check=False, shape=(), stride=())
     return DTensor.from_local(
         local, model.mesh, [Shard(0)], run_check=False, shape=slot.shape, stride=_contiguous_stride(slot.shape)
     )
@@ -37,6 +39,8 @@ def _as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") ->
 
 def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor:
     """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W."""
+    if slot.replicated:
+        return (value.full_tensor() if isinstance(value, DTensor) else value).reshape(())
     if isinstance(value, DTensor):
         local = value.to_local()
         if value.placements == (Shard(0),) and tuple(local.shape) == slot.sharded_shape(rank):
@@ -45,8 +49,7 @@ def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tenso
                 return local
         value = value.full_tensor()
     full = value.reshape(slot.dim0, slot.inner)
-    rows = slot.local_rows(rank)
-    return full.narrow(0, rank * slot.rows_per_rank if rows else 0, rows).reshape(slot.sharded_shape(rank))
+    return full.narrow(0, slot.first_row(rank), slot.local_rows(rank)).reshape(slot.sharded_shape(rank))
 
 
 def _shape_of(value: Any) -> tuple[int, ...]:

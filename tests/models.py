@@ -359,3 +359,36 @@ class MetaNet(nn.Module):
 
 def meta_net(dim: int = 16, seq: int = 6) -> nn.Module:
     return MetaNet(dim, seq)
+
+
+class GainBlock(Block):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.gain = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+class Scaled(nn.Module):
+    """0-dim parameters, in the root and inside a unit."""
+
+    def __init__(self, dim: int = 16, out: int = 5) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.block = GainBlock(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x)) / self.temperature
+
+
+class ReachesIntoUnit(Scaled):
+    """Reads a unit's parameter outside that unit's forward: refused with an error."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.block.gain
+
+
+def scaled(dim: int = 16) -> nn.Module:
+    return Scaled(dim)

@@ -194,7 +194,7 @@ def train_sharded(case: Case) -> dict[str, Any]:
 def expected_chunk(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """``torch.chunk(full, world)[rank]``, or its empty tail when chunk returns fewer pieces."""
     if full.dim() == 0:
-        full = full.reshape(1)
+        return full  # 0-dim parameters are replicated
     chunks = torch.chunk(full, world)
     return chunks[rank] if rank < len(chunks) else full[full.shape[0] :]
 

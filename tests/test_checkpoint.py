@@ -365,3 +365,24 @@ def test_saves_are_atomic_and_bad_checkpoints_change_nothing(tmp_path):
             message, unchanged = r["errors"][name]
             assert all(f in message for f in fragments), (name, message)
             assert unchanged, f"{name}: the model or optimizer changed"
+
+
+def on_ranks_zero_dim_round_trip(path: str) -> bool:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from shardwrap import load_checkpoint, save_checkpoint
+
+    case = Case("scaled", policy="Block")
+    model, opt = make(case)
+    train(case, model, opt, range(2))
+    sd = model.state_dict()
+    replicated = isinstance(sd["temperature"], DTensor) and sd["temperature"].placements == (Replicate(),)
+    save_checkpoint(path, model, opt)
+    other, other_opt = make(Case(**{**case.__dict__, "seed": 4}))
+    load_checkpoint(path, other, other_opt)
+    a, b = model.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
+    return replicated and sd["temperature"].shape == () and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_zero_dim_parameters_round_trip(tmp_path):
+    assert all(run_on_ranks(3, on_ranks_zero_dim_round_trip, str(tmp_path / "ckpt")))

@@ -164,3 +164,20 @@ def on_ranks_diverging_forward() -> str:
 def test_ranks_running_different_units_get_an_error_not_a_hang():
     for message in run_on_ranks(2, on_ranks_diverging_forward, timeout=60):
         assert "ranks disagree" in message and "'left'" in message and "'right'" in message, message
+
+
+def on_ranks_reach_into_unit() -> str:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.ReachesIntoUnit(), auto_wrap_policy={models.Block})
+    try:
+        model(torch.randn(4, 16)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameter_read_outside_its_unit_is_refused():
+    for message in run_on_ranks(2, on_ranks_reach_into_unit, timeout=60):
+        assert "'block.gain'" in message and "unit 'block'" in message and "outside" in message, message

@@ -60,3 +60,10 @@ def test_parameter_tied_across_units_goes_to_their_common_ancestor(optim):
     # Both Sequentials are units; the shared weight is owned by the root and trained once.
     case = Case("tied_across_units", policy={__import__("torch").nn.Sequential}, optim=optim, out=11)
     check_parity(case, 2)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_zero_dim_parameters_are_replicated(optim, clip):
+    # Clipping counts a replicated parameter once; the norm must equal torch's.
+    check_parity(Case("scaled", policy="Block", optim=optim, clip=clip), 3)

@@ -136,14 +136,19 @@ def test_forward_without_backward_leaves_nothing_unsharded():
 
 
 class AuxNet(nn.Module):
+    """stem -> trunk -> (head, aux). A rank whose loss skips aux defers aux's reduce-scatter to the
+    end of backward, but still needs the stem's all-gather from its peers: a peer that *waited* for
+    aux's reduce-scatter inside backward would never issue it (notes/collective-schedule.md)."""
+
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
+        self.stem = models.Block(dim)
         self.trunk = models.Block(dim)
         self.aux = models.Block(dim)
         self.head = nn.Linear(dim, 5)
 
     def forward(self, x):
-        h = self.trunk(x)
+        h = self.trunk(self.stem(x))
         return self.head(h), self.aux(h)
 
 

@@ -72,6 +72,18 @@ def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite every tensor with the group's first rank's, one collective per dtype (the same
+    dtype order on every rank)."""
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            broadcast(flat, group)
+            for t, piece in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(piece.view_as(t))
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ranks (used for small scalars such as gradient norms)."""
     _count("all_reduce", tensor.numel())

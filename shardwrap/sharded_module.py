@@ -227,29 +227,6 @@ def _share_rng_state(group: dist.ProcessGroup, device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _broadcast_params(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Every rank takes the first rank's values for one unit (one collective)."""
-    if not params:
-        return
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        collectives.broadcast(flat, group)
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(piece.view_as(p))
-
-
-def _broadcast_buffers(root: nn.Module, group: dist.ProcessGroup) -> None:
-    """Every rank takes the first rank's buffers (one collective per dtype)."""
-    buffers = list(root.buffers())
-    with torch.no_grad():
-        for dtype in sorted({b.dtype for b in buffers}, key=str):  # same order on every rank
-            same = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in same])
-            collectives.broadcast(flat, group)
-            for b, piece in zip(same, flat.split([b.numel() for b in same])):
-                b.copy_(piece.view_as(b))
-
-
 def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"ShardedModule: mesh={mesh!r} is not a torch.distributed DeviceMesh")
@@ -375,7 +352,7 @@ class ShardedModule(nn.Module):
         def build(i: int) -> None:
             plan = plans[i]
             if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
-                _broadcast_params(plan.params, group)
+                collectives.broadcast_tensors(plan.params, group)  # one dtype per unit: one collective
             handle = UnitHandle(
                 name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns, slots=plan.slots,
                 mesh=self.mesh, reduce_group=reduce_group, param_dtype=self.mixed_precision.param_dtype,
@@ -400,7 +377,7 @@ class ShardedModule(nn.Module):
                 build(i)
         self._handles = [built[i] for i in range(len(plans))]
         if self.mesh.size() > 1:
-            _broadcast_buffers(module, group)
+            collectives.broadcast_tensors(list(module.buffers()), group)
         for sub in module.modules():
             _MANAGED_MODULES.add(sub)
         global _optimizer_hook_installed

@@ -165,15 +165,14 @@ def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     names = _names_by_id(model)
     for handle in model._handles:
         _scatter_unit(handle, sd, names, is_src, src, group)
-    buffers = [(k, b) for k, b in model.module.named_buffers() if k in sd or not is_src]
-    present: list[Any] = [[k for k, _ in buffers if k in sd] if is_src else None]
+    present: list[Any] = [[k for k, _ in model.module.named_buffers() if k in sd] if is_src else None]
     dist.broadcast_object_list(present, src=src, group=group)
-    with torch.no_grad():
-        for key, buf in model.module.named_buffers():
-            if key in present[0]:
-                value = sd[key].to(buf.device, buf.dtype) if is_src else torch.empty_like(buf)
-                collectives.broadcast(value, group)
-                buf.copy_(value)
+    targets = [(k, b) for k, b in model.module.named_buffers() if k in present[0]]
+    if is_src:
+        with torch.no_grad():
+            for key, buf in targets:
+                buf.copy_(sd[key])
+    collectives.broadcast_tensors([b for _, b in targets], group)
     _mark_stale(model)
 
 

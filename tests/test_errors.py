@@ -149,16 +149,21 @@ class Branchy(nn.Module):
         return self.left(x) if go_left else self.right(x)
 
 
-def on_ranks_diverging_forward() -> str:
+def runtime_error_of(build, step) -> str:  # type: ignore[no-untyped-def]
+    """Wrap ``build()`` with Block units, run ``step(model)``; the RuntimeError's text."""
     from shardwrap import ShardedModule
 
     torch.manual_seed(0)
-    model = ShardedModule(Branchy(), auto_wrap_policy={models.Block})
+    model = ShardedModule(build(), auto_wrap_policy={models.Block})
     try:
-        model(torch.randn(2, 4), go_left=dist.get_rank() == 0)
+        step(model)
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def on_ranks_diverging_forward() -> str:
+    return runtime_error_of(Branchy, lambda model: model(torch.randn(2, 4), go_left=dist.get_rank() == 0))
 
 
 def test_ranks_running_different_units_get_an_error_not_a_hang():
@@ -167,15 +172,7 @@ def test_ranks_running_different_units_get_an_error_not_a_hang():
 
 
 def on_ranks_reach_into_unit() -> str:
-    from shardwrap import ShardedModule
-
-    torch.manual_seed(0)
-    model = ShardedModule(models.ReachesIntoUnit(), auto_wrap_policy={models.Block})
-    try:
-        model(torch.randn(4, 16)).sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    return runtime_error_of(models.ReachesIntoUnit, lambda model: model(torch.randn(4, 16)).sum().backward())
 
 
 def test_parameter_read_outside_its_unit_is_refused():

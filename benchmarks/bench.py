@@ -43,7 +43,7 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
     "single": lambda W: 16, "ddp": lambda W: 16, "ddp+zero": lambda W: 8 + 8 / W,
     "fsdp1 FULL_SHARD": lambda W: 16 / W, "fsdp1 SHARD_GRAD_OP": lambda W: 16 / W,
     "fully_shard": lambda W: 16 / W, "fully_shard raf=False": lambda W: 16 / W,
-    "shardwrap s1": lambda W: 8 + 16 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
+    "shardwrap s1": lambda W: 8 + 8 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
     "shardwrap s3 no-prefetch": lambda W: 16 / W,
 }
 

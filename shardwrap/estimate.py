@@ -91,6 +91,8 @@ def formula(psi: int, unit: int, world: int, precision: str) -> dict[int, dict[s
     for stage in (1, 2, 3):
         params = 4 * shard + (p * psi if stage <= 2 else 0)  # master shard (+ full compute copy)
         grads = 4 * shard + (p * psi if stage == 1 else 0)  # sharded grad (+ stage 1's full buffer)
+        if stage == 1 and p == 4:  # fp32 stage 1: the shards are rows of the full buffers
+            params, grads = 4 * psi, 4 * psi
         optim = 8 * shard
         in_flight = p * unit * (2 if stage == 3 else 1)  # stage 3: a unit and its prefetched neighbour
         out[stage] = {"params": params, "grads": grads, "optim": optim, "largest_unit": p * unit,

@@ -100,6 +100,15 @@ class FlatLayout:
             for s in self.slots[:count]
         ]
 
+    def rank_views_of_unsharded(self, padded_unsharded: torch.Tensor, rank: int, count: int | None = None) -> list[torch.Tensor]:
+        """Views of rank ``rank``'s rows inside a parameter-major buffer (the unsharded parameters
+        or their gradient), shaped like ``sharded_views``: the same values a shard holds."""
+        W = self.world_size
+        return [
+            padded_unsharded.narrow(0, W * s.shard_offset + rank * s.chunk_numel, s.local_rows(rank) * s.inner).view(s.sharded_shape(rank))
+            for s in self.slots[:count]
+        ]
+
     def unsharded_views(self, trainable: torch.Tensor, frozen: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter full-shape views of the padded unsharded buffers.
 
@@ -138,6 +147,23 @@ class FlatLayout:
         for s in self.slots[:n]:
             if s.replicated:  # every rank's copy receives the sum of every rank's gradient
                 rows[:, s.shard_offset] = rows[0, s.shard_offset]
+
+    def pack_rank_rows(self, padded_unsharded: torch.Tensor, out: torch.Tensor, rank: int) -> None:
+        """Rank ``rank``'s padded chunks of a parameter-major buffer -> its flat shard ``out``."""
+        W = self.world_size
+        pieces = padded_unsharded.split(self.padded_sizes)
+        if not pieces:
+            return
+        torch.cat([p.view(W, c)[rank] for p, c in zip(pieces, self.chunk_sizes)], out=out)
+
+    def fill_unsharded_from_full(self, full: Sequence[torch.Tensor], padded_unsharded: torch.Tensor) -> None:
+        """Write full tensors into a parameter-major buffer; padding rows become zero."""
+        for piece, s, tensor in zip(padded_unsharded.split(self.padded_sizes), self.slots, full):
+            numel = s.dim0 * s.inner
+            piece.narrow(0, 0, numel).copy_(tensor.reshape(-1))
+            piece.narrow(0, numel, piece.numel() - numel).zero_()
+            if s.replicated:  # every rank's copy of a 0-dim parameter holds the value
+                piece.fill_(tensor.item())
 
     def fill_shard_from_full(self, full: Sequence[torch.Tensor], shard: torch.Tensor, rank: int) -> None:
         """Write row-chunk ``rank`` of each full tensor into ``shard``; padding becomes zero."""

@@ -95,32 +95,44 @@ class UnitHandle:
         self.on_grad_ready: Callable[[UnitHandle], None] = lambda handle: None
 
         layout, S = self.layout, self.layout.shard_numel
-        # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
-        self._sharded_storage = torch.empty(S + 1, dtype=self.dtype, device=self.device)
-        self.sharded_local = self._sharded_storage.narrow(0, 0, S)
-        with torch.no_grad():
-            layout.fill_shard_from_full([p.detach() for p in params], self.sharded_local, self.rank)
-            self._sharded_storage[S] = float(index)
-        self.sharded_flat = DTensor.from_local(
-            self.sharded_local, mesh, [Shard(0)], run_check=False, shape=(self.world_size * S,), stride=(1,)
-        )
+        # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
+        # it serve as the master shard and the rows of the unsharded gradient as the sharded
+        # gradient: no second copy of either (design/notes/stages.md).
+        self.shard_in_unsharded = keep_unsharded_grad and self.param_dtype == self.dtype
+        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
+        if self.shard_in_unsharded:
+            self._sharded_storage = None
+            with torch.no_grad():
+                layout.fill_unsharded_from_full([p.detach() for p in params], self._padded_unsharded)
+            shard_views = layout.rank_views_of_unsharded(self._padded_unsharded, self.rank)
+            self.data_state = DataState.UNSHARDED
+        else:
+            # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
+            self._sharded_storage = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                layout.fill_shard_from_full([p.detach() for p in params], self._sharded_storage.narrow(0, 0, S), self.rank)
+                self._sharded_storage[S] = float(index)
+            shard_views = layout.sharded_views(self._sharded_storage.narrow(0, 0, S), self.rank)
         self.sharded_params = [
-            nn.Parameter(view, requires_grad=slot.requires_grad)
-            for view, slot in zip(layout.sharded_views(self.sharded_local, self.rank), layout.slots)
+            nn.Parameter(view, requires_grad=slot.requires_grad) for view, slot in zip(shard_views, layout.slots)
         ]
         for param, slot in zip(self.sharded_params, layout.slots):
             if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
                 param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn))
+        # grads that are views of the unsharded gradient's rows (shard_in_unsharded only)
+        self._row_grads: list[torch.Tensor | None] = [None] * layout.num_trainable
 
-        # Unsharded buffer (param_dtype), allocated now to create the aliases, then freed.
-        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
+        # The unsharded buffer (param_dtype) needs storage now to create the aliases; the sharded
+        # configurations free it until the first unshard.
         n_trainable = layout.padded_trainable_numel
         self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
         self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
         if layout.num_trainable:
             self.unsharded_trainable.requires_grad_(True)
+            self.unsharded_trainable.register_hook(self._before_accumulate)
             self.unsharded_trainable.register_post_accumulate_grad_hook(self._post_accumulate_grad)
-        self._free_unsharded()
+        if not self.shard_in_unsharded:
+            self._free_unsharded()
         self._pending_gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         self.grad_pending = False  # autograd produced an unsharded gradient not yet packed
         self._packed_grad: torch.Tensor | None = None
@@ -138,6 +150,41 @@ class UnitHandle:
     @property
     def gathering(self) -> bool:
         return self._pending_gather is not None
+
+    # ---- the flat shard -------------------------------------------------------------------------
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's flat shard, ``S`` elements and the tag, contiguous (the master dtype).
+
+        The storage itself for the sharded configurations; a fresh copy of the rank's rows of the
+        unsharded buffer when the shard lives there.
+        """
+        if self._sharded_storage is not None:
+            return self._sharded_storage
+        S = self.layout.shard_numel
+        out = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+        self.layout.pack_rank_rows(self._padded_unsharded, out.narrow(0, 0, S), self.rank)
+        out[S] = float(self.index)
+        return out
+
+    def write_shard(self, flat: torch.Tensor) -> None:
+        """Overwrite this rank's shard with ``flat`` (``S`` elements, shard layout); the unsharded
+        copy, if any, is stale afterwards."""
+        with torch.no_grad():
+            for dst, src in zip(self.sharded_params, self.layout.sharded_views(flat, self.rank)):
+                dst.copy_(src)
+        self.stale = True
+
+    @property
+    def sharded_local(self) -> torch.Tensor:
+        """The flat shard without the tag (a copy when the shard lives in the unsharded buffer)."""
+        return self.read_shard().narrow(0, 0, self.layout.shard_numel)
+
+    @property
+    def sharded_flat(self) -> DTensor:
+        """The flat shard as a ``Shard(0)`` DTensor over the mesh."""
+        W, S = self.world_size, self.layout.shard_numel
+        return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=(W * S,), stride=(1,))
 
     def _make_used_outside(self, fqn: str) -> Callable[[torch.Tensor], None]:
         def used_outside(param: torch.Tensor) -> None:
@@ -168,7 +215,7 @@ class UnitHandle:
         if not layout.slots:
             self.data_state, self.stale = DataState.UNSHARDED, False
             return
-        send = self._sharded_storage.to(self.param_dtype)  # no copy without mixed precision
+        send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
         gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
         work = collectives.all_gather(gathered, send, self.group, async_op=True)
         self._pending_gather = (work, gathered, send)
@@ -189,10 +236,11 @@ class UnitHandle:
         self.data_state, self.stale = DataState.UNSHARDED, False
 
     def reshard(self) -> None:
-        """Free the unsharded buffer. Postcondition: SHARDED."""
+        """Free the unsharded buffer. Postcondition: SHARDED, unless the shard lives in the
+        unsharded buffer (stage 1), which then stays."""
         if self._pending_gather is not None:
             self._finish_gather()  # a prefetch nobody used: complete it so the sequence stays paired
-        if self.data_state is DataState.SHARDED:
+        if self.data_state is DataState.SHARDED or self.shard_in_unsharded:
             return
         self._free_unsharded()
         self.data_state = DataState.SHARDED
@@ -234,6 +282,23 @@ class UnitHandle:
                 module._parameters[attr] = param
 
     # ---- gradients ----------------------------------------------------------------------------
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Autograd is about to add a new gradient into the unsharded gradient buffer.
+
+        When the rows of that buffer still hold the reduced gradient of an earlier backward (the
+        shard-in-unsharded configuration), move the ``p.grad`` that are still views of them into
+        tensors of their own, so they keep accumulating like plain PyTorch, and zero the buffer.
+        """
+        if not any(g is not None for g in self._row_grads):
+            return
+        for param, row in zip(self.sharded_params, self._row_grads):
+            if row is not None and param.grad is row:
+                param.grad = row.clone()
+        self._row_grads = [None] * self.layout.num_trainable
+        leaf_grad = self.unsharded_trainable.grad
+        if leaf_grad is not None:
+            leaf_grad.zero_()
 
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
         """post_backward: autograd finished this unit's flat gradient for this backward."""
@@ -307,11 +372,17 @@ class UnitHandle:
         sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
         sharded_grad.div_(self.world_size)
         n = self.layout.num_trainable
-        for param, view in zip(self.sharded_params[:n], self.layout.sharded_views(sharded_grad, self.rank, n)):
-            if param.grad is None:
-                param.grad = view
-            else:
+        views = self.layout.sharded_views(sharded_grad, self.rank, n)
+        leaf_grad = self.unsharded_trainable.grad
+        rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if self.shard_in_unsharded and leaf_grad is not None else None
+        for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
+            if param.grad is not None:
                 param.grad += view
+            elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad
+                rows[i].copy_(view)
+                param.grad = self._row_grads[i] = rows[i]
+            else:
+                param.grad = view
 
     # ---- full tensors (state dicts) -----------------------------------------------------------
 
@@ -322,7 +393,7 @@ class UnitHandle:
         layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not layout.slots:
             return []
-        source = self._sharded_storage if flat is None else flat
+        source = self.read_shard() if flat is None else flat
         gathered = torch.empty(W * (S + 1), dtype=source.dtype, device=self.device)
         collectives.all_gather(gathered, source, self.group)
         rows = gathered.view(W, S + 1)

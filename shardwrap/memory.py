@@ -82,5 +82,6 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     o_bytes, _ = storage_bytes(states, p_seen | g_seen)
     out = {"params": p_bytes, "grads": g_bytes, "optim": o_bytes}
-    out["unsharded"], _ = storage_bytes(unsharded_tensors(model))  # stages 1 and 2 keep them
+    # stages 1 and 2 keep them; stage 1's shard and gradient may be rows of them (counted above)
+    out["unsharded"], _ = storage_bytes(unsharded_tensors(model), p_seen | g_seen)
     return out

@@ -205,8 +205,7 @@ def _scatter_unit(handle: "UnitHandle", sd: Mapping[str, Any], names: dict[int, 
             layout.fill_shard_from_full(fulls, piece.narrow(0, 0, S), r)
             pieces.append(piece)
     collectives.scatter(incoming, pieces, src, group)
-    with torch.no_grad():
-        handle.sharded_local.copy_(incoming.narrow(0, 0, S))
+    handle.write_shard(incoming.narrow(0, 0, S))
 
 
 # ---- optimizer --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class Case:
     clip: float | None = None  # clip_grad_norm_ max_norm
     norm_type: float = 2.0
     max_unsharded: int = 2
+    set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     seed: int = 0
 
 
@@ -146,14 +147,12 @@ def train_reference(case: Case, *, mixed_precision: str | None = "case") -> tupl
         if case.clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, case.norm_type).item())
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=case.set_to_none)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
 def train_sharded(case: Case) -> dict[str, Any]:
     """Runs on every rank: the wrapped model on this rank's chunk of each global batch."""
-    from shardwrap import ShardedModule
-
     from shardwrap import MixedPrecision, ShardedModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -182,7 +181,7 @@ def train_sharded(case: Case) -> dict[str, Any]:
         if case.clip is not None:
             norms.append(model.clip_grad_norm_(case.clip, case.norm_type).item())
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=case.set_to_none)
     return {
         "full": model.full_state_dict(),
         "local": {n: p.detach().clone() for n, p in model.named_parameters()},

@@ -40,4 +40,8 @@ def test_params_only_prints_every_stage():
         assert stage in out, out
     r = estimate("--params", "1.3e9", "--world-size", "8")
     assert r["formula"]["3"]["params"] == pytest.approx(4 * 1.3e9 / 8)
-    assert r["formula"]["1"]["grads"] == pytest.approx(4 * 1.3e9 / 8 + 4 * 1.3e9)
+    # fp32 stage 1: the master shard and the sharded gradient are rows of the full buffers
+    assert r["formula"]["1"]["params"] == pytest.approx(4 * 1.3e9)
+    assert r["formula"]["1"]["grads"] == pytest.approx(4 * 1.3e9)
+    bf16 = estimate("--params", "1.3e9", "--world-size", "8", "--mixed-precision", "bf16")
+    assert bf16["formula"]["1"]["grads"] == pytest.approx(4 * 1.3e9 / 8 + 2 * 1.3e9)

@@ -52,6 +52,14 @@ def test_accumulation_with_and_without_no_sync(stage, no_sync):
     check_parity(case(stage=stage, accumulate=4, batch=24, no_sync=no_sync), 3)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_stage1_gradients_in_the_unsharded_buffer_accumulate_like_torch(set_to_none):
+    # Stage 1's p.grad are views of the unsharded gradient buffer's rows: two syncing backward
+    # calls per step (the second must add to, not overwrite, the first reduced gradient), and
+    # zero_grad both ways.
+    check_parity(case(stage=1, optim="adamw", accumulate=2, set_to_none=set_to_none, steps=4), 3)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_clip_grad_norm_matches_torch(norm_type, stage):
@@ -124,7 +132,7 @@ def test_forward_prefetches_the_next_unit_within_the_limit():
 
 
 def model_state_bytes(model, opt) -> int:
-    tensors = [h._sharded_storage for h in model.units] + [h._padded_unsharded for h in model.units]
+    tensors = list(model.parameters()) + [h._padded_unsharded for h in model.units]
     tensors += [h.unsharded_trainable.grad for h in model.units]
     tensors += [p.grad for p in model.parameters()]
     tensors += [v for s in opt.state.values() for k, v in s.items() if k != "step"]
@@ -173,9 +181,7 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         pad = padded - psi  # padding and tags, in elements over all ranks
         # fp32 AdamW: 4 bytes parameter, 4 gradient, 8 optimizer state.
         formula = {
-            # stage 1 holds the sharded fp32 master and the sharded gradient beside the unsharded
-            # ones: 8 Psi / W over the ZeRO-1 formula, documented in design/notes/stages.md
-            1: 4 * psi + 4 * psi + 8 * psi / W + 8 * psi / W,
+            1: 4 * psi + 4 * psi + 8 * psi / W,
             2: 4 * psi + 12 * psi / W,
             3: 16 * psi / W,
         }[stage]

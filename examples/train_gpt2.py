@@ -4,8 +4,9 @@
 
 It runs on CPU ranks over gloo by default and unchanged on GPUs over nccl. The model is a
 transformers GPT2LMHeadModel built from a small GPT2Config with random weights; the tokenizer is
-byte-level (vocab 256) and needs no download; the text is examples/data/corpus.txt if present,
-else a corpus generated from a small grammar, so nothing is fetched at run time.
+byte-level (vocab 256) and needs no download; the text is the shipped public-domain corpus
+examples/data/corpus.txt (three Shakespeare plays, see examples/data/README.md), or, with
+--data generated, sentences from a small grammar, so nothing is fetched at run time.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ p.add_argument("--n-head", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--weight-decay", type=float, default=0.1)
 p.add_argument("--log-every", type=int, default=25)
-p.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "data", "corpus.txt"))
+p.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "data", "corpus.txt"),
+               help="a UTF-8 text file, or 'generated'")
 p.add_argument("--seed", type=int, default=1337)
 p.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none")
 p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; all but the last run under no_sync()")
@@ -86,7 +88,7 @@ class ByteWindows(Dataset):
         return self.data[i * self.seq_len : (i + 1) * self.seq_len + 1]  # (T + 1,)
 
 
-text = open(args.data, encoding="utf-8").read() if os.path.exists(args.data) else generated_corpus()
+text = generated_corpus() if args.data == "generated" else open(args.data, encoding="utf-8").read()
 dataset = ByteWindows(text, args.seq_len)
 sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)

@@ -4,12 +4,17 @@ A ``TorchDispatchMode`` keeps a weak reference to every tensor an op returns; ev
 (and whenever ``sample()`` is called) it sums the current ``nbytes`` of the distinct live storages
 and keeps the peak. Reading ``nbytes`` at sample time means storages that were resized (FSDP2 and
 shardwrap free unsharded parameters with ``resize_(0)``) count at their real size.
+
+With a ``classify`` callback, every new peak is also split into categories: the callback names
+the tensors that are parameters, gradients and optimizer state at that moment (first claim wins),
+tensors autograd saved for backward count as activations, and the rest (communication buffers,
+temporaries, gradients of activations in flight) as "other".
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,13 +39,37 @@ def storage_bytes(tensors: Iterable[Any], exclude: set[int] | None = None) -> tu
     return total, seen
 
 
+CATEGORIES = ("params", "grads", "optim", "activations", "other")
+
+
 class LiveStorages(TorchDispatchMode):
-    def __init__(self, roots: Iterable[torch.Tensor] = (), every: int = 25) -> None:
+    def __init__(
+        self,
+        roots: Iterable[torch.Tensor] = (),
+        every: int = 25,
+        classify: Callable[[], dict[str, Iterable[Any]]] | None = None,
+    ) -> None:
         super().__init__()
         self.refs: list[weakref.ref] = [weakref.ref(_local(t)) for t in roots]
         self.every = every
         self.count = 0
         self.peak = 0
+        self.classify = classify
+        self.peak_split: dict[str, int] = {}
+        self._saved: list[weakref.ref] = []  # tensors autograd saved for backward
+        self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._saved.append(weakref.ref(t))
+        return t
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._saving.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._saving.__exit__(*exc)
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         self.refs += [weakref.ref(_local(t)) for t in tensors if isinstance(t, torch.Tensor)]
@@ -48,12 +77,34 @@ class LiveStorages(TorchDispatchMode):
     def live(self) -> list[torch.Tensor]:
         alive = [r() for r in self.refs]
         self.refs = [r for r, t in zip(self.refs, alive) if t is not None]
+        self._saved = [r for r in self._saved if r() is not None]
         return [t for t in alive if t is not None]
 
     def sample(self) -> int:
-        total, _ = storage_bytes(self.live())
-        self.peak = max(self.peak, total)
+        live = self.live()
+        total, _ = storage_bytes(live)
+        if total > self.peak:
+            self.peak = total
+            if self.classify is not None:
+                self.peak_split = self._split(live)
         return total
+
+    def _split(self, live: list[torch.Tensor]) -> dict[str, int]:
+        owner: dict[int, str] = {}
+        claims = {**self.classify(), "activations": [r() for r in self._saved]}  # type: ignore[misc]
+        for category, tensors in claims.items():
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and _local(t).untyped_storage().nbytes():
+                    owner.setdefault(_local(t).untyped_storage().data_ptr(), category)
+        out = dict.fromkeys(CATEGORIES, 0)
+        seen: set[int] = set()
+        for t in live:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if s.nbytes() and ptr not in seen:
+                seen.add(ptr)
+                out[owner.get(ptr, "other")] += s.nbytes()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def, override]
         out = func(*args, **(kwargs or {}))
@@ -85,3 +136,33 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     # stages 1 and 2 keep them; stage 1's shard and gradient may be rows of them (counted above)
     out["unsharded"], _ = storage_bytes(unsharded_tensors(model), p_seen | g_seen)
     return out
+
+
+def state_classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Callable[[], dict[str, list[Any]]]:
+    """A ``classify`` callback for ``LiveStorages``: the parameters (the optimizer's shards and
+    whatever unsharded copies exist at that moment), gradients and optimizer state of ``model``.
+
+    Knows shardwrap's unsharded buffers, FSDP1's flat parameters, and FSDP2's unsharded
+    parameters (registered on their modules while unsharded); DDP and plain models hold full
+    parameters anyway."""
+
+    def classify() -> dict[str, list[Any]]:
+        params = list(model.parameters())
+        params += [p for m in model.modules() for p in m._parameters.values() if p is not None]
+        # FSDP2 registers unsharded parameters on the modules while unsharded; the optimizer still
+        # holds the sharded ones
+        params += [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
+        grads: list[Any] = [p.grad for p in params]
+        for h in getattr(model, "units", None) or []:  # shardwrap
+            params.append(h._padded_unsharded)
+            grads.append(h.unsharded_trainable.grad)
+        for m in model.modules():  # FSDP1
+            flat = getattr(getattr(m, "_handle", None), "flat_param", None)
+            if flat is not None:
+                params += [flat, getattr(flat, "_full_param_padded", None), getattr(flat, "_local_shard", None)]
+                grads += [flat.grad, getattr(flat, "_saved_grad_shard", None)]
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local optimizer
+        states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"params": params, "grads": grads, "optim": states}
+
+    return classify

@@ -32,6 +32,7 @@ class CollectiveSchedule:
         self._reduce: list[UnitHandle] = []
         self._reduce_pos = 0
         self._in_flight: list[UnitHandle] = []
+        self._released = False  # a unit finished its backward: activations are being freed
 
     def clear(self) -> None:
         self.pre_forward.clear()
@@ -84,6 +85,7 @@ class CollectiveSchedule:
         self._gather, self._gather_pos = self.post_forward[::-1], 0
         self._reduce, self._reduce_pos = [h for h in self.pre_forward[::-1] if h.has_trainable], 0
         self.prefetched.clear()
+        self._released = False
 
     def gather_through(self, handle: UnitHandle) -> None:
         """Unshard ``handle`` for backward, after every unit scheduled before it; then start
@@ -99,7 +101,20 @@ class CollectiveSchedule:
         self.prefetched.discard(handle)
         self.retire_reductions()  # before this unit's buffers are allocated
         handle.unshard()  # finishes a prefetch, or re-gathers a unit outside the schedule
-        if self._gather_pos < len(self._gather) and len(self.prefetched) + 1 < self.max_unsharded:
+        self._prefetch_backward()
+
+    def unit_backward_done(self) -> None:
+        """A unit's post_backward ran: from now on backward may gather ahead (notes/prefetch.md)."""
+        self._released = True
+        self._prefetch_backward()
+
+    def _prefetch_backward(self) -> None:
+        """Start gathering the next scheduled unit, within the limit, but not before the first
+        unit has finished its backward: until then every activation is alive, and a unit gathered
+        ahead would add its whole size to the step's peak."""
+        if not self._released or len(self.prefetched) + 1 >= self.max_unsharded:
+            return
+        if self._gather_pos < len(self._gather):
             ahead = self._gather[self._gather_pos]
             self._gather_pos += 1
             ahead.unshard(async_op=True)

@@ -492,6 +492,7 @@ class ShardedModule(nn.Module):
         handle.training_state = TrainingState.IDLE
         if self._sync:
             self._schedule.flush_reductions()
+        self._schedule.unit_backward_done()
 
     def _finish_backward(self) -> None:
         """End of backward: finish every collective the schedule still owes (zeros for units this

@@ -128,6 +128,42 @@ def test_forward_prefetches_the_next_unit_within_the_limit():
         assert all(ahead == [] for _, ahead in seen), seen
 
 
+def on_ranks_backward_prefetch() -> list:
+    from shardwrap import ShardedModule
+    from shardwrap.handle import DataState
+
+    model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, max_unsharded=2)
+    seen = []
+
+    def probe(name):
+        def hook(grad):  # runs inside block ``name``'s backward, after its pre_backward
+            ahead = [h.name for h in model.units[1:] if h.name != name and (h.gathering or h.data_state is DataState.UNSHARDED)]
+            seen.append((name, ahead))
+
+        return hook
+
+    def watch(name):
+        def forward_hook(module, args, out):
+            out.register_hook(probe(name))
+
+        return forward_hook
+
+    for i, block in enumerate(model.module.blocks):
+        block.up.register_forward_hook(watch(f"blocks.{i}"))
+    x = global_batch(MLP, 0)["x"].chunk(dist.get_world_size())[dist.get_rank()]
+    for _ in range(2):
+        seen.clear()
+        model(x).pow(2).mean().backward()
+    return seen
+
+
+def test_backward_prefetches_only_after_the_first_unit_finished_its_backward():
+    # While the first unit runs its backward every activation is still alive, so nothing is
+    # gathered ahead (it would raise the step's peak); after that, one unit ahead.
+    for seen in run_on_ranks(2, on_ranks_backward_prefetch):
+        assert seen == [("blocks.2", []), ("blocks.1", ["blocks.0"]), ("blocks.0", [])], seen
+
+
 # ---- memory and communication per stage ----------------------------------------------------------
 
 

@@ -5,13 +5,15 @@ single process: same model, same data, same world size, one run.
 
 Writes benchmarks/results/bench_W{W}.md and .png. Step times are medians over interleaved rounds;
 ratios are to fully_shard in the same run. Memory comes from shardwrap/memory.py (live tensor
-storages on CPU), split into the parameters, gradients and optimizer state the optimizer sees,
-and everything else (unsharded copies, communication buffers, activations).
+storages on CPU, sampled after every op): the peak is split into parameters (shards and unsharded
+copies), gradients, optimizer state, activations (tensors autograd saved for backward) and other
+(communication buffers, temporaries, gradients of activations in flight).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwrap.memory import LiveStorages, model_state_bytes, unsharded_tensors
+from shardwrap.memory import CATEGORIES, LiveStorages, model_state_bytes, state_classifier, unsharded_tensors
 
 p = argparse.ArgumentParser()
 p.add_argument("--models", default="mlp,gpt2")
@@ -150,6 +152,7 @@ for name in args.models.split(","):
             times[impl] += t
             losses[impl] = l[-1]  # this rank's loss on its part of the batch
             del model, opt
+            gc.collect()
             if impl == "single":
                 dist.barrier()
     # Memory pass: one implementation at a time, two steps under the tracker.
@@ -161,7 +164,8 @@ for name in args.models.split(","):
             continue
         model, opt = wrap(impl, name)
         run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
-        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model))
+        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model), every=1,
+                               classify=state_classifier(model, opt))
         tracker.track(v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v))
         if hasattr(opt, "optim"):
             tracker.track(v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v))
@@ -173,10 +177,12 @@ for name in args.models.split(","):
             opt.step()
             steady = tracker.sample()
             split = model_state_bytes(model, opt)
-        memory[impl] = {"peak": tracker.peak, "steady": steady, **split}
+        memory[impl] = {"peak": tracker.peak, "steady": steady, **split, "at_peak": tracker.peak_split}
         psi = sum(q.numel() for q in build(name)[0].parameters())
         memory[impl]["psi"] = psi
+        tracker.classify = None  # the tracker and its hooks form a cycle: free the model now
         del model, opt, tracker
+        gc.collect()
         if impl == "single":
             dist.barrier()
     # Gather rank 0's and rank 1's figures.
@@ -203,22 +209,32 @@ if rank == 0:
         psi = r0["memory"]["ddp"]["psi"]
         ref = statistics.median(r0["times"]["fully_shard"])
         lines.append(f"\n## {name} (Psi = {psi / 1e6:.2f}M parameters)\n")
-        lines.append("| implementation | step ms (median) | / fully_shard | final loss | peak MiB r0 / r1 | steady MiB r0 | params / grads / optim MiB r0 | steady / ZeRO formula |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        ref_peak = r0["memory"]["fully_shard"]["peak"]
+        lines.append("| implementation | step ms (median) | / fully_shard | final loss | peak MiB r0 / r1 | peak / fully_shard "
+                     "| at peak r0: params / grads / optim / activations / other MiB | steady MiB r0 | model state / ZeRO formula |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        checks = []
         for impl in IMPLS:
             med = statistics.median(r0["times"][impl]) * 1e3
             m0 = r0["memory"][impl]
             peak1 = ranks[1]["memory"].get(impl, {}).get("peak") if world > 1 else None
             model_state = m0["params"] + m0["grads"] + m0["optim"]
-            formula = ZERO[impl](world if impl != "single" else 1) * 4 * psi / 4  # bytes
+            formula = ZERO[impl](world if impl != "single" else 1) * psi  # bytes
+            split = " / ".join(f"{m0['at_peak'][c] / 2**20:.1f}" for c in CATEGORIES)
             lines.append(
                 f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {global_loss(ranks, impl):.5f} | "
-                f"{m0['peak'] / 2**20:.1f} / {'-' if peak1 is None else f'{peak1 / 2**20:.1f}'} | {m0['steady'] / 2**20:.1f} | "
-                f"{m0['params'] / 2**20:.1f} / {m0['grads'] / 2**20:.1f} / {m0['optim'] / 2**20:.1f} | "
-                f"{(m0['steady'] - 0) / formula:.2f} |"
+                f"{m0['peak'] / 2**20:.1f} / {'-' if peak1 is None else f'{peak1 / 2**20:.1f}'} | {m0['peak'] / ref_peak:.3f} | "
+                f"{split} | {m0['steady'] / 2**20:.1f} | {model_state / formula:.3f} |"
             )
-        lines.append("\n'steady' is every live tensor storage after the optimizer step; the ZeRO formula counts "
-                     "parameters, gradients and AdamW state only (16 bytes per parameter, divided as the stage divides them).")
+            if impl.startswith("shardwrap"):
+                ok = abs(model_state / formula - 1) <= 0.05
+                checks.append(f"{impl}: {model_state / 2**20:.2f} MiB vs formula {formula / 2**20:.2f} MiB "
+                              f"({'within' if ok else 'NOT within'} 5%)")
+        lines.append("\n'model state' is the parameters, gradients and AdamW state after the optimizer step (distinct "
+                     "storages, before zero_grad); the ZeRO formula is 16 bytes per parameter divided as the "
+                     "implementation divides them (DDP's buckets and ZeroRedundancyOptimizer's full gradients show "
+                     "above 1). 'steady' is every live storage at that moment.\n")
+        lines.append("ZeRO formula check (shardwrap): " + "; ".join(checks) + ".")
     text = "\n".join(lines) + "\n"
     path = os.path.join(args.out, f"bench_W{world}.md")
     with open(path, "w") as f:
@@ -236,13 +252,11 @@ if rank == 0:
             labels = IMPLS
             ax = axes[row][0]
             bottom = [0.0] * len(labels)
-            for cat in ("params", "grads", "optim"):
-                vals = [r0["memory"][i][cat] / 2**20 for i in labels]
+            for cat in CATEGORIES:
+                vals = [r0["memory"][i]["at_peak"][cat] / 2**20 for i in labels]
                 ax.bar(labels, vals, bottom=bottom, label=cat)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-            other = [max(0.0, r0["memory"][i]["peak"] / 2**20 - b) for i, b in zip(labels, bottom)]
-            ax.bar(labels, other, bottom=bottom, label="other at peak (unsharded, comm, activations)")
-            ax.set_title(f"{name}: rank-0 memory (MiB)")
+            ax.set_title(f"{name}: rank-0 peak memory by category (MiB)")
             ax.tick_params(axis="x", rotation=60)
             ax.legend(fontsize=7)
             ax = axes[row][1]

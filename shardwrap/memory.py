@@ -116,11 +116,35 @@ class LiveStorages(TorchDispatchMode):
         return out
 
 
+def _unsharded_buffers(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+    """The unsharded parameter and gradient buffers an implementation keeps between steps (so a
+    tracker started later still sees them when their storage is re-grown): shardwrap's, FSDP1's
+    flat parameters and FSDP2's per-parameter all-gather outputs."""
+    params: list[Any] = []
+    grads: list[Any] = []
+    for h in getattr(model, "units", None) or []:  # shardwrap
+        params.append(h._padded_unsharded)
+        grads.append(h.unsharded_trainable.grad)
+    for m in model.modules():
+        flat = getattr(getattr(m, "_handle", None), "flat_param", None)  # FSDP1
+        if flat is not None:
+            params += [flat, getattr(flat, "_full_param_padded", None), getattr(flat, "_local_shard", None)]
+            grads += [flat.grad, getattr(flat, "_saved_grad_shard", None)]
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None  # FSDP2
+        group = getattr(state, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or []:
+            params += list(getattr(fp, "all_gather_outputs", None) or [])
+            unsharded = getattr(fp, "_unsharded_param", None)
+            params.append(unsharded)
+            grads.append(getattr(unsharded, "grad", None))
+    return [t for t in params if t is not None], [t for t in grads if t is not None]
+
+
 def unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """A ShardedModule's unsharded parameter buffers and gradients (empty for other models)."""
-    units = getattr(model, "units", None) or []
-    internal = [h._padded_unsharded for h in units] + [h.unsharded_trainable.grad for h in units]
-    return [t for t in internal if t is not None]
+    """Unsharded parameter buffers and gradients of a ShardedModule, FSDP1 or FSDP2 model (empty
+    for other models): roots for ``LiveStorages``."""
+    params, grads = _unsharded_buffers(model)
+    return params + grads
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -143,8 +167,7 @@ def state_classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     whatever unsharded copies exist at that moment), gradients and optimizer state of ``model``.
 
     Knows shardwrap's unsharded buffers, FSDP1's flat parameters, and FSDP2's unsharded
-    parameters (registered on their modules while unsharded); DDP and plain models hold full
-    parameters anyway."""
+    parameters; DDP and plain models hold full parameters anyway."""
 
     def classify() -> dict[str, list[Any]]:
         params = list(model.parameters())
@@ -152,15 +175,10 @@ def state_classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         # FSDP2 registers unsharded parameters on the modules while unsharded; the optimizer still
         # holds the sharded ones
         params += [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
-        grads: list[Any] = [p.grad for p in params]
-        for h in getattr(model, "units", None) or []:  # shardwrap
-            params.append(h._padded_unsharded)
-            grads.append(h.unsharded_trainable.grad)
-        for m in model.modules():  # FSDP1
-            flat = getattr(getattr(m, "_handle", None), "flat_param", None)
-            if flat is not None:
-                params += [flat, getattr(flat, "_full_param_padded", None), getattr(flat, "_local_shard", None)]
-                grads += [flat.grad, getattr(flat, "_saved_grad_shard", None)]
+        grads: list[Any] = [p.grad for p in params if p.is_leaf]
+        unsharded, unsharded_grads = _unsharded_buffers(model)
+        params += unsharded
+        grads += unsharded_grads
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local optimizer
         states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         return {"params": params, "grads": grads, "optim": states}

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwrap.memory import CATEGORIES, LiveStorages, model_state_bytes, state_classifier, unsharded_tensors
+from shardwrap.memory import (
+    CATEGORIES, LiveStorages, model_state_bytes, optimizer_states, state_classifier, unsharded_tensors,
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--models", default="mlp,gpt2")
@@ -166,9 +168,7 @@ for name in args.models.split(","):
         run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
         tracker = LiveStorages(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model), every=1,
                                classify=state_classifier(model, opt))
-        tracker.track(v for s in getattr(opt, "state", {}).values() for v in s.values() if torch.is_tensor(v))
-        if hasattr(opt, "optim"):
-            tracker.track(v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v))
+        tracker.track(optimizer_states(opt))  # created before the tracker
         with tracker:
             run_steps(impl, name, model, opt, 1, start=1, tracker=tracker)
             # steady state: after the step, before zero_grad

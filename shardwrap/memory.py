@@ -147,15 +147,20 @@ def unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return params + grads
 
 
+def optimizer_states(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors (``step`` counters excluded); a
+    ZeroRedundancyOptimizer's local optimizer is looked into."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state, as the optimizer sees them
     (distinct storages; DTensors count their local shard)."""
     params = list(model.parameters())
     p_bytes, p_seen = storage_bytes(params)
     g_bytes, g_seen = storage_bytes([p.grad for p in params if p.grad is not None], p_seen)
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local optimizer
-    states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    o_bytes, _ = storage_bytes(states, p_seen | g_seen)
+    o_bytes, _ = storage_bytes(optimizer_states(optimizer), p_seen | g_seen)
     out = {"params": p_bytes, "grads": g_bytes, "optim": o_bytes}
     # stages 1 and 2 keep them; stage 1's shard and gradient may be rows of them (counted above)
     out["unsharded"], _ = storage_bytes(unsharded_tensors(model), p_seen | g_seen)
@@ -179,8 +184,6 @@ def state_classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         unsharded, unsharded_grads = _unsharded_buffers(model)
         params += unsharded
         grads += unsharded_grads
-        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local optimizer
-        states = [v for s in getattr(inner, "state", {}).values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        return {"params": params, "grads": grads, "optim": states}
+        return {"params": params, "grads": grads, "optim": optimizer_states(optimizer)}
 
     return classify

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardwrap.memory import CATEGORIES, LiveStorages, state_classifier
+from shardwrap.memory import CATEGORIES, LiveStorages, optimizer_states, state_classifier
 
 
 def test_peak_is_split_into_parameters_gradients_optimizer_activations_and_other():
@@ -16,7 +16,7 @@ def test_peak_is_split_into_parameters_gradients_optimizer_activations_and_other
     opt.step()  # optimizer state exists from here on
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     tracker = LiveStorages(list(model.parameters()), every=1, classify=state_classifier(model, opt))
-    tracker.track(v for state in opt.state.values() for v in state.values())  # made before the tracker
+    tracker.track(optimizer_states(opt))  # made before the tracker
     x = torch.randn(32, 64)
     with tracker:
         hidden = torch.tanh(model[0](x))  # saved by tanh's backward: an activation

@@ -39,6 +39,38 @@ class TrainingState(Enum):
 
 _WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-reduce-waiter")
 
+
+class _WaiterProbe:
+    """Completion of a CPU (gloo) collective, polled without blocking.
+
+    gloo's ``Work.is_completed()`` turns true only once somebody has called ``wait()``, so the
+    waiter thread calls it and this probe reads the thread's future.
+    """
+
+    def __init__(self, work: dist.Work) -> None:
+        self._done: Future[None] = _WAITER.submit(work.wait)
+
+    def __call__(self) -> bool:
+        return self._done.done()
+
+    def join(self) -> None:
+        self._done.result()
+
+
+def completion_probe(work: dist.Work | None, device: torch.device) -> Callable[[], bool] | None:
+    """A non-blocking "has this collective finished?" for ``work`` (None: nothing in flight).
+
+    On an accelerator the probe must not call ``wait()`` from another thread: NCCL's ``wait()``
+    makes the *calling thread's current stream* wait for the collective, which is the compute
+    stream, so the next unit's backward would queue behind the reduce-scatter and nothing would
+    overlap. There ``is_completed()`` queries the collective's end event directly.
+    """
+    if work is None:
+        return None
+    if device.type == "cpu":
+        return _WaiterProbe(work)
+    return work.is_completed
+
 Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
 
 
@@ -139,7 +171,7 @@ class UnitHandle:
         self._reduced: torch.Tensor | None = None
         self._reduce_input: torch.Tensor | None = None
         self._reduce_work: dist.Work | None = None
-        self._reduce_done: Future | None = None
+        self._reduce_done: Callable[[], bool] | None = None
         self._used_here = False
         self.install_sharded_params()
 
@@ -345,13 +377,11 @@ class UnitHandle:
         self._reduced = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
         self._reduce_input = packed  # must live until the collective completes
         self._reduce_work = collectives.reduce_scatter(self._reduced, packed, self.reduce_group, async_op=True)
-        # gloo's Work reports completion only once someone waits on it; a waiter thread does, so
-        # reduce_completed() can be polled without blocking this thread.
-        self._reduce_done = _WAITER.submit(self._reduce_work.wait) if self._reduce_work is not None else None
+        self._reduce_done = completion_probe(self._reduce_work, self.device)
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""
-        return self._reduce_done is None or self._reduce_done.done()
+        return self._reduce_done is None or self._reduce_done()
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add this rank's average into the sharded grads.
@@ -361,8 +391,8 @@ class UnitHandle:
         """
         if self._reduced is None:
             return
-        if self._reduce_done is not None:
-            self._reduce_done.result()  # never wait on one Work from two threads at once
+        if isinstance(self._reduce_done, _WaiterProbe):
+            self._reduce_done.join()  # never wait on one Work from two threads at once
         if self._reduce_work is not None:
             self._reduce_work.wait()  # on NCCL this orders the current stream after the collective
         reduced, S = self._reduced, self.layout.grad_shard_numel

@@ -28,11 +28,10 @@ GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
 def on_ranks_names(case: Case) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
-    plain = build_model(case)
-    original = build_model(case)
-    model = wrap(case) if False else None  # placeholder to keep flake quiet
     from shardwrap import ShardedModule
 
+    plain = build_model(case)
+    original = build_model(case)
     model = ShardedModule(original, auto_wrap_policy=resolve_policy(case))
     block_cls = models.gpt2_block_class()
     sd = model.state_dict()
@@ -320,3 +319,50 @@ def test_tied_owner_user_mesh_name_groups_and_frozen_memory():
         assert r["grad_numel"] == r["trainable_local"], r
         # A Block has 1,104 parameters (>= 1000) while its layers have 544 at most; inp and head stay in the root.
         assert r["size_units"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], r["size_units"]
+
+
+# ---- polling a reduce-scatter in flight -------------------------------------------------------
+
+
+class _EventWork:
+    """A stand-in for ``dist.Work``: completes when the test says so, counts ``wait()`` calls."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.finished = threading.Event()
+        self.waits = 0
+
+    def is_completed(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self) -> bool:
+        self.waits += 1
+        self.finished.wait()
+        return True
+
+
+def test_accelerator_probe_never_calls_wait():
+    """On CUDA, ``wait()`` from any thread would make the compute stream queue behind the
+    reduce-scatter; the probe must read the collective's completion instead."""
+    from shardwrap.handle import completion_probe
+
+    work = _EventWork()
+    probe = completion_probe(work, torch.device("cuda", 0))
+    assert probe() is False
+    work.finished.set()
+    assert probe() is True
+    assert work.waits == 0
+
+
+def test_cpu_probe_waits_on_the_waiter_thread_and_does_not_block():
+    """gloo reports completion only through ``wait()``; the probe hands that to one thread."""
+    from shardwrap.handle import completion_probe
+
+    work = _EventWork()
+    probe = completion_probe(work, torch.device("cpu"))
+    assert probe() is False  # returns at once although the collective has not finished
+    work.finished.set()
+    probe.join()
+    assert probe() is True and work.waits == 1
+    assert completion_probe(None, torch.device("cpu")) is None

@@ -8,6 +8,7 @@ by the hooks in ``sharded_module.py`` and the order by ``schedule.py``.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum, auto
 from typing import Callable, Sequence
@@ -70,6 +71,24 @@ def completion_probe(work: dist.Work | None, device: torch.device) -> Callable[[
     if device.type == "cpu":
         return _WaiterProbe(work)
     return work.is_completed
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` without a strong reference to its object.
+
+    A hook registered with ``register_post_accumulate_grad_hook`` is kept where Python's garbage
+    collector does not look, so a hook that references the handle owning the tensor makes a cycle
+    that is never collected: every deleted ShardedModule would keep its shards, unsharded buffers
+    and gradients alive for the life of the process (tests/test_behaviour.py checks it is freed).
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
 
 Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
 
@@ -162,7 +181,7 @@ class UnitHandle:
         if layout.num_trainable:
             self.unsharded_trainable.requires_grad_(True)
             self.unsharded_trainable.register_hook(self._before_accumulate)
-            self.unsharded_trainable.register_post_accumulate_grad_hook(self._post_accumulate_grad)
+            self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
         if not self.shard_in_unsharded:
             self._free_unsharded()
         self._pending_gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
@@ -219,9 +238,11 @@ class UnitHandle:
         return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=(W * S,), stride=(1,))
 
     def _make_used_outside(self, fqn: str) -> Callable[[torch.Tensor], None]:
+        unit = self.name  # not self: a post-accumulate hook must not reference its handle (_weak)
+
         def used_outside(param: torch.Tensor) -> None:
             raise RuntimeError(
-                f"rank {dist.get_rank()}: parameter '{fqn}' of unit '{self.name}' was used outside that "
+                f"rank {dist.get_rank()}: parameter '{fqn}' of unit '{unit}' was used outside that "
                 f"unit's forward (autograd reached its local shard). Read a unit's parameters only inside "
                 f"its own forward, or let auto_wrap_policy put the code that reads it in the same unit"
             )

@@ -366,3 +366,33 @@ def test_cpu_probe_waits_on_the_waiter_thread_and_does_not_block():
     probe.join()
     assert probe() is True and work.waits == 1
     assert completion_probe(None, torch.device("cpu")) is None
+
+
+# ---- a deleted model is freed ------------------------------------------------------------------
+
+
+def on_ranks_freed(stage: int, mixed: bool) -> dict:
+    import gc
+    import weakref
+
+    from shardwrap import MixedPrecision, ShardedModule
+
+    policy = MixedPrecision(param_dtype=torch.bfloat16) if mixed else None
+    model = ShardedModule(AuxNet(), auto_wrap_policy={models.Block}, stage=stage, mixed_precision=policy)
+    opt = torch.optim.AdamW(model.parameters())
+    batch = global_batch(Case("mlp"), 0)
+    for step in range(2):
+        aux_loss(model, batch["x"], batch["y"], 0, step).backward()
+        opt.step()
+    refs = [weakref.ref(model)] + [weakref.ref(t) for h in model.units for t in (h, h.unsharded_trainable, h.sharded_local)]
+    del model, opt
+    gc.collect()
+    return {"alive": sum(r() is not None for r in refs), "of": len(refs)}
+
+
+def test_a_deleted_model_frees_its_shards_buffers_and_hooks():
+    """Autograd keeps post-accumulate-grad hooks out of the garbage collector's sight; a hook that
+    held its handle would keep every deleted model (and its unsharded buffers) alive."""
+    for stage, mixed in [(1, False), (2, True), (3, False)]:
+        for r in run_on_ranks(2, on_ranks_freed, stage, mixed):
+            assert r["of"] > 1 and r["alive"] == 0, (stage, mixed, r)

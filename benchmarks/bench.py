@@ -34,6 +34,7 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round")
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -215,7 +216,7 @@ def global_loss(ranks: list, impl: str) -> float:
 
 if rank == 0:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"bench_W{world}.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench_W{world}{args.tag}.json"), "w") as f:
         json.dump(results, f)
     lines = [f"# Benchmark: W={world}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
              f"{args.rounds} interleaved rounds x {args.steps} timed steps, fp32 AdamW\n"]
@@ -251,7 +252,7 @@ if rank == 0:
                      "above 1). 'steady' is every live storage at that moment.\n")
         lines.append("ZeRO formula check (shardwrap): " + "; ".join(checks) + ".")
     text = "\n".join(lines) + "\n"
-    path = os.path.join(args.out, f"bench_W{world}.md")
+    path = os.path.join(args.out, f"bench_W{world}{args.tag}.md")
     with open(path, "w") as f:
         f.write(text)
     print(text)
@@ -279,7 +280,7 @@ if rank == 0:
             ax.set_title(f"{name}: median step time (ms)")
             ax.tick_params(axis="x", rotation=60)
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"bench_W{world}.png"), dpi=80)
+        fig.savefig(os.path.join(args.out, f"bench_W{world}{args.tag}.png"), dpi=80)
     except ImportError:
         print("matplotlib not installed: no plot")
 dist.barrier()

@@ -180,12 +180,17 @@ while step < args.steps:
             avg = avg.item() / world
             first_loss = avg if math.isnan(first_loss) else first_loss
             last_loss = avg
-            mem = torch.tensor([model_state_mib()])
-            mems = [torch.zeros(1) for _ in range(world)]
+            # collectives run on the process group's device: nccl takes CUDA tensors only
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if use_cuda else float("nan")
+            mem = torch.tensor([model_state_mib(), peak], device=device)
+            mems = [torch.zeros(2, device=device) for _ in range(world)]
             dist.all_gather(mems, mem)
             if rank == 0:
                 rate = tokens / (time.perf_counter() - t0)
-                per_rank = " ".join(f"r{r}={m.item():.1f}MiB" for r, m in enumerate(mems))
+                per_rank = " ".join(
+                    f"r{r}={m[0].item():.1f}MiB" + (f" (peak allocated {m[1].item():.0f}MiB)" if use_cuda else "")
+                    for r, m in enumerate(mems)
+                )
                 msg = f"step {step:4d} loss {avg:.4f} tok/s {rate:,.0f} model-state {per_rank}"
                 (bar.write if bar is not None else print)(msg)
         if step >= args.steps:

@@ -43,3 +43,14 @@ def test_text_classifier_learns():
     out = torchrun("examples/text_classifier.py", "--stage", "3", "--epochs", "2")
     accuracy = float(re.search(r"held-out accuracy ([\d.]+)%", out).group(1))
     assert accuracy > 90, out
+
+
+def test_cuda_check_plumbing_runs_on_cpu():
+    """benchmarks/cuda_check.py is run by hand on a GPU machine; its parity, timing and main-job
+    parts run here on gloo so that it does not rot between GPU sessions."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "benchmarks/cuda_check.py", "--device", "cpu", "--quick"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "all checks passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = re.findall(r"\| shardwrap s\d( bf16)? \| .* \| (True|False) \|", out.stdout)
+    assert len(rows) == 6 and all(ok == "True" for _, ok in rows), out.stdout

@@ -1,0 +1,287 @@
+"""The CUDA path on one GPU (one rank over NCCL): what the CPU test suite cannot see.
+
+    python benchmarks/cuda_check.py                      # on a machine with a CUDA GPU
+    python benchmarks/cuda_check.py --device cpu --quick  # the same plumbing on gloo (the tests run this)
+
+Four checks, one report (benchmarks/results/cuda_check.md and .json); the exit status is 1 if a
+check fails:
+
+1. parity: shardwrap stages 1, 2 and 3 train the same as the unwrapped model on the same device,
+   in fp32 (TF32 off) and under a bf16 policy (bf16 compute, fp32 reduce, fp32 master);
+2. overlap: a profiler trace of stage-3 bf16 steps shows on which CUDA streams the all-gathers and
+   reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
+3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
+   s3 and s3 without prefetch beside fully_shard (reshard_after_forward True and False), FSDP1
+   FULL_SHARD and DDP, on the same model and data;
+4. the main job: examples/train_gpt2.py under torchrun with nccl, unchanged, in bf16.
+
+With one rank the collectives move no bytes across GPUs but still run as NCCL work on NCCL's
+streams, which is what the overlap check needs; cross-GPU bandwidth is not measured here, and
+FSDP1 turns FULL_SHARD into NO_SHARD at one rank, so the timings show per-step overheads only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+p.add_argument("--quick", action="store_true", help="a tiny model and few steps (plumbing only)")
+p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+args = p.parse_args()
+
+if args.device == "cuda" and not torch.cuda.is_available():
+    sys.exit("cuda_check: no CUDA device here; run it on a GPU machine (or pass --device cpu for the plumbing)")
+ON_GPU = args.device == "cuda"
+device = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+if ON_GPU:
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
+    torch.backends.cudnn.allow_tf32 = False
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29561")
+dist.init_process_group("nccl" if ON_GPU else "gloo", rank=0, world_size=1)
+
+# GPT-2 small (124M) on the GPU; a toy on the CPU.
+SHAPE = dict(n_embd=64, n_layer=2, n_head=2, n_positions=64) if args.quick else dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+BATCH, SEQ = (2, 32) if args.quick else (8, 1024)
+STEPS, WARMUP = (2, 1) if args.quick else (10, 3)
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def build() -> tuple[nn.Module, set]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    vocab = {} if not args.quick else dict(vocab_size=256, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **vocab, **SHAPE)
+    return GPT2LMHeadModel(cfg).to(device), {GPT2Block}
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    vocab = 256 if args.quick else 50257
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g).to(device)
+
+
+def sync() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def wrap(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, units = build()
+    if impl == "single":
+        pass
+    elif impl == "ddp":
+        model = DDP(model, device_ids=[0] if ON_GPU else None)
+    elif impl == "fsdp1 FULL_SHARD":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                     device_id=device, use_orig_params=True)
+    elif impl.startswith("fully_shard"):
+        raf = "False" not in impl
+        for m in model.modules():
+            if isinstance(m, tuple(units)):
+                fully_shard(m, reshard_after_forward=raf)
+        fully_shard(model, reshard_after_forward=raf)
+    else:  # "shardwrap s<stage>[ bf16][ no-prefetch]"
+        stage = int(impl.split()[1][1])
+        model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2,
+                              mixed_precision=BF16 if "bf16" in impl else None)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> tuple[list[float], list[float]]:
+    """``steps`` optimizer steps; returns the losses and the step times in ms."""
+    losses, times = [], []
+    for step in range(start, start + steps):
+        x = batch(step)
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.item())
+    return losses, times
+
+
+report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "torch": torch.__version__,
+                          "shape": SHAPE, "batch": [BATCH, SEQ]}
+failures: list[str] = []
+
+# ---- 1. parity ----------------------------------------------------------------------------------
+ref_model, _ = build()
+init_state = {k: v.detach().float().cpu().clone() for k, v in ref_model.state_dict().items()}
+ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-4, weight_decay=0.1)
+ref_losses, _ = train(ref_model, ref_opt, STEPS)
+ref_state = {k: v.detach().float().cpu().clone() for k, v in ref_model.state_dict().items()}
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The 2-norm of the difference over every entry the two state dicts share."""
+    return sum(((a[k].float() - b[k]) ** 2).sum().item() for k in b if k in a) ** 0.5
+
+
+moved = distance(ref_state, init_state)  # how far training took the reference
+del ref_model, ref_opt
+parity = {}
+for impl in ["shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s1 bf16", "shardwrap s2 bf16", "shardwrap s3 bf16"]:
+    model, opt = wrap(impl)
+    losses, _ = train(model, opt, STEPS)
+    full = model.full_state_dict()
+    worst = max((full[k].float() - v).abs().max().item() for k, v in ref_state.items() if k in full)
+    drift = distance(full, ref_state) / moved
+    loss_gap = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    master = {str(p.dtype) for p in model.parameters()}
+    bf16 = "bf16" in impl
+    # fp32: equal up to reduction order; bf16: the loss within bf16's resolution and the parameters
+    # closer to the fp32 reference than training took the reference from its initial values
+    ok = (loss_gap < 0.05 and drift < 1.0) if bf16 else (loss_gap < 1e-4 and worst < 1e-5)
+    ok = ok and master == {"torch.float32"}
+    parity[impl] = {"max |param - ref|": worst, "|params - ref| / |ref - init|": drift, "max |loss - ref|": loss_gap, "master dtypes": sorted(master), "ok": ok}
+    if not ok:
+        failures.append(f"parity {impl}: {parity[impl]}")
+    del model, opt
+report["parity"] = parity
+
+# ---- 2. overlap ---------------------------------------------------------------------------------
+
+
+def stream_overlap(events: list[dict]) -> dict[str, Any]:
+    """Per CUDA stream: busy time and how much of it overlaps the compute stream (the stream with
+    the most kernel time). Collective streams are the others."""
+    per_stream: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            per_stream.setdefault(int(e["args"]["stream"]), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    if not per_stream:
+        return {"streams": {}}
+    compute = max(per_stream, key=lambda s: sum(b - a for a, b, n in per_stream[s] if "nccl" not in n.lower()))
+    busy = sorted((a, b) for a, b, _ in per_stream[compute])
+    out: dict[str, Any] = {"compute_stream": compute, "streams": {}}
+    for stream, spans in per_stream.items():
+        if stream == compute:
+            continue
+        total = sum(b - a for a, b, _ in spans)
+        overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b, _ in spans for c, d in busy if c < b and d > a)
+        kinds = sorted({k for _, _, n in spans for k in ("AllGather", "ReduceScatter") if k in n})
+        out["streams"][stream] = {"events": len(spans), "busy_us": total, "overlap_us": overlap, "collectives": kinds,
+                                  "names": sorted({n[:60] for _, _, n in spans})[:4]}
+    return out
+
+
+overlap: dict[str, Any] = {}
+if ON_GPU:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt = wrap("shardwrap s3 bf16")
+    train(model, opt, WARMUP)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train(model, opt, 3, start=WARMUP)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)
+    overlap = stream_overlap(trace["traceEvents"])
+    others = overlap["streams"]
+    if not others:
+        failures.append("overlap: no CUDA work outside the compute stream (collectives ran on the compute stream?)")
+    elif sum(s["overlap_us"] for s in others.values()) <= 0:
+        failures.append("overlap: collective streams never overlap the compute stream")
+    del model, opt
+else:
+    overlap = {"skipped": "no CUDA streams on cpu"}
+report["overlap"] = overlap
+
+# ---- 3. speed and memory ------------------------------------------------------------------------
+speed = {}
+for impl in ["ddp", "fsdp1 FULL_SHARD", "fully_shard", "fully_shard raf=False", "shardwrap s1", "shardwrap s2",
+             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16"]:
+    model, opt = wrap(impl)
+    train(model, opt, WARMUP)
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = train(model, opt, STEPS, start=WARMUP)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else float("nan")
+    speed[impl] = {"step_ms": statistics.median(times), "peak_mib": peak, "loss": losses[-1]}
+    del model, opt
+    if ON_GPU:
+        torch.cuda.empty_cache()
+ref = speed["fully_shard"]
+for row in speed.values():
+    row["time / fully_shard"] = row["step_ms"] / ref["step_ms"]
+    row["peak / fully_shard"] = row["peak_mib"] / ref["peak_mib"] if ON_GPU else float("nan")
+report["speed"] = speed
+dist.destroy_process_group()
+
+# ---- 4. the main job ----------------------------------------------------------------------------
+cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "examples/train_gpt2.py",
+       "--steps", "30" if not args.quick else "4", "--log-every", "10" if not args.quick else "2"]
+if ON_GPU:
+    cmd += ["--mixed-precision", "bf16"]
+env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0" if ON_GPU else ""}
+run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+done = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", run.stdout)
+main_job = {"returncode": run.returncode, "loss": done.groups() if done else None,
+            "backend line": next((ln for ln in run.stdout.splitlines() if "nccl" in ln or "gloo" in ln), "")}
+report["main job"] = main_job
+if run.returncode != 0 or done is None or (not args.quick and float(done.group(2)) >= float(done.group(1))):
+    failures.append(f"main job: {main_job}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+
+# ---- report -------------------------------------------------------------------------------------
+lines = [f"# CUDA check: {report['device']}, torch {report['torch']}, GPT-2 {SHAPE}, batch {BATCH} x {SEQ}, one rank\n",
+         "## Parity against the unwrapped model on the same device\n",
+         "| run | max abs param diff | max abs loss diff | master dtypes | ok |", "|---|---|---|---|---|"]
+lines[-2:] = ["| run | max abs param diff | param distance / training distance | max abs loss diff | master dtypes | ok |",
+              "|---|---|---|---|---|---|"]
+lines += [f"| {k} | {v['max |param - ref|']:.2e} | {v['|params - ref| / |ref - init|']:.3f} | {v['max |loss - ref|']:.2e} | "
+          f"{', '.join(v['master dtypes'])} | {v['ok']} |" for k, v in parity.items()]
+lines += ["\n## Streams (stage 3, bf16)\n"]
+if "streams" in overlap:
+    lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {s} | {v['events']} | {v['busy_us']:.0f} | {v['overlap_us']:.0f} | {', '.join(v['collectives'])} | {'; '.join(v['names'])} |"
+              for s, v in overlap["streams"].items()]
+else:
+    lines.append(overlap["skipped"])
+lines += ["\n## Step time and peak memory (one rank)\n", "| impl | step ms | / fully_shard | peak MiB | / fully_shard | loss |",
+          "|---|---|---|---|---|---|"]
+lines += [f"| {k} | {v['step_ms']:.1f} | {v['time / fully_shard']:.2f} | {v['peak_mib']:.0f} | {v['peak / fully_shard']:.3f} | {v['loss']:.4f} |"
+          for k, v in speed.items()]
+lines += [f"\n## Main job\n\n`{' '.join(cmd[1:])}`: exit {run.returncode}, loss {main_job['loss']}\n"]
+lines += ["\n## Result\n", "all checks passed" if not failures else "FAILED:\n" + "\n".join(f"- {f}" for f in failures)]
+text = "\n".join(lines) + "\n"
+print(text)
+if ON_GPU:  # the CPU plumbing run writes nothing into the results
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cuda_check.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "cuda_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+sys.exit(1 if failures else 0)

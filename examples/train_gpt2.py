@@ -112,6 +112,15 @@ opt = torch.optim.AdamW(
 )
 
 
+# fp16 needs loss scaling (bf16 does not): torch's ShardedGradScaler agrees across ranks on whether
+# any rank's shard overflowed, so every rank skips the same steps.
+scaler = None
+if args.mixed_precision == "fp16":
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device=device.type)
+
+
 def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
     warmup = max(1, args.steps // 20)
     if step < warmup:
@@ -163,10 +172,17 @@ while step < args.steps:
             with model.no_sync() if not sync else contextlib.nullcontext():
                 logits = model(input_ids=x).logits  # (B, T, 256)
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-                (loss / len(micro_batches)).backward()
+                micro_loss = loss / len(micro_batches)
+                (scaler.scale(micro_loss) if scaler is not None else micro_loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)  # clip the true gradients
         if args.clip > 0:
             model.clip_grad_norm_(args.clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)  # skipped on every rank if any rank's shard overflowed
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += batch[:, :-1].numel() * world
         step += 1

@@ -277,3 +277,65 @@ def on_ranks_bad_max_unsharded() -> str:
 def test_max_unsharded_must_be_positive():
     for message in run_on_ranks(2, on_ranks_bad_max_unsharded):
         assert "max_unsharded=0" in message
+
+
+# ---- fp16 with dynamic loss scaling ------------------------------------------------------------
+
+
+def on_ranks_loss_scaling(stage: int, scaled: bool, overflow_step: int | None) -> dict:
+    """fp16 training of one Linear unit, optionally through torch's ShardedGradScaler. At
+    ``overflow_step`` the loss weighs output ``d - 1`` so heavily that only its weight row and bias
+    overflow: parameters are split along dim 0, so only the last rank's shard holds an inf."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from shardwrap import MixedPrecision, ShardedModule
+
+    d = 8
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(d, d))
+    model = ShardedModule(net, auto_wrap_policy={torch.nn.Linear}, stage=stage,
+                          mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8) if scaled else None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"skipped": [], "scales": [], "finite_local_grads": []}
+    for step in range(4):
+        x = global_batch(Case("mlp"), step)["x"][:, :d].chunk(world)[rank]
+        weight = torch.ones(d)
+        if step == overflow_step:
+            weight[-1] = 1e4  # with the scale, the gradient of output d-1 passes fp16's 65504
+        loss = (model(x).float() * weight).pow(2).mean()
+        before = [p.detach().clone() for p in model.parameters()]
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            out["finite_local_grads"].append(all(torch.isfinite(p.grad).all().item() for p in model.parameters()))
+            scaler.step(opt)
+            out["scales"].append(scaler.get_scale())
+            scaler.update()
+        out["skipped"].append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        opt.zero_grad()
+    out["state"] = model.full_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_loss_scaling_with_sharded_grad_scaler(stage):
+    """torch's ShardedGradScaler works on shardwrap's shards: scaled fp16 training equals unscaled
+    fp16 training while nothing overflows (the scale is a power of two), and an overflow in one
+    rank's shard skips the step on every rank, so the ranks never diverge (torch.amp.GradScaler
+    alone would step on rank 0 and skip on rank 1)."""
+    plain = run_on_ranks(2, on_ranks_loss_scaling, stage, False, None)[0]
+    scaled = run_on_ranks(2, on_ranks_loss_scaling, stage, True, None)[0]
+    assert scaled["skipped"] == [False] * 4
+    for k, v in plain["state"].items():
+        torch.testing.assert_close(scaled["state"][k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    ranks = run_on_ranks(2, on_ranks_loss_scaling, stage, True, 2)
+    assert [r["finite_local_grads"][2] for r in ranks] == [True, False]  # the inf is in rank 1's shard only
+    for r in ranks:
+        assert r["skipped"] == [False, False, True, False], r["skipped"]
+        assert r["scales"] == [256.0, 256.0, 256.0, 128.0], r["scales"]
+    for k, v in ranks[0]["state"].items():
+        assert torch.isfinite(v).all(), k

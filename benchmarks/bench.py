@@ -56,8 +56,9 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
 
 def release_memory() -> None:
     """Free what the last implementation left: its cycles (gc) and the heap pages glibc keeps for
-    reuse (malloc_trim). Without the trim, a rank's resident memory grows by about a model's worth
-    per implementation, and the recipe MLP at W=4 runs out of memory."""
+    reuse (malloc_trim), so each implementation starts from the same resident memory. BENCH_RSS=1
+    prints each rank's resident memory after every implementation (how the leak of deleted
+    ShardedModules, design/architecture.md, showed up)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

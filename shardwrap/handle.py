@@ -72,6 +72,7 @@ def completion_probe(work: dist.Work | None, device: torch.device) -> Callable[[
         return _WaiterProbe(work)
     return work.is_completed
 
+
 def _weak(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` without a strong reference to its object.
 

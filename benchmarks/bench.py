@@ -35,6 +35,7 @@ p.add_argument("--steps", type=int, default=4, help="timed steps per implementat
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
 p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
+p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always run)")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -45,6 +46,8 @@ IMPLS = [
     "single", "ddp", "ddp+zero", "fsdp1 FULL_SHARD", "fsdp1 SHARD_GRAD_OP", "fully_shard", "fully_shard raf=False",
     "shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s3 no-prefetch",
 ]
+if args.impls:
+    IMPLS = [i for i in IMPLS if i in {"ddp", "fully_shard", *args.impls.split(",")}]
 ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, fp32 AdamW
     "single": lambda W: 16, "ddp": lambda W: 16, "ddp+zero": lambda W: 8 + 8 / W,
     "fsdp1 FULL_SHARD": lambda W: 16 / W, "fsdp1 SHARD_GRAD_OP": lambda W: 16 / W,

@@ -66,6 +66,17 @@ def reduce_scatter(
     return _reduce_scatter_single(output, padded_input, group=group, async_op=async_op)
 
 
+def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | None, torch.Tensor]:
+    """Start gathering one integer from every rank (CPU groups); returns the work and the output.
+
+    Counted apart from the data all-gathers, under ``"counts"``.
+    """
+    _count("counts", 1)
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
+    work = _all_gather_single(out, torch.tensor([count], dtype=torch.int64), group=group, async_op=True)
+    return work, out
+
+
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
     _count("broadcast", tensor.numel())

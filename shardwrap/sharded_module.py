@@ -386,7 +386,8 @@ class ShardedModule(nn.Module):
             _optimizer_hook_installed = True
 
         self._state = TrainingState.IDLE
-        self._schedule = CollectiveSchedule(max_unsharded=max_unsharded)
+        count_group = self.mesh.get_group() if device.type == "cpu" else None  # see CollectiveSchedule
+        self._schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self._expect_backward = False
         self._sync = True  # False inside no_sync()
         if self.mixed_precision.buffer_dtype is not None:
@@ -476,7 +477,7 @@ class ShardedModule(nn.Module):
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._schedule.begin_backward()
+        self._schedule.begin_backward(sync=self._sync)
 
     def _pre_backward(self, handle: UnitHandle) -> None:
         self._begin_backward()

@@ -4,6 +4,7 @@ every rank through the harness."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -396,3 +397,77 @@ def test_a_deleted_model_frees_its_shards_buffers_and_hooks():
     for stage, mixed in [(1, False), (2, True), (3, False)]:
         for r in run_on_ranks(2, on_ranks_freed, stage, mixed):
             assert r["of"] > 1 and r["alive"] == 0, (stage, mixed, r)
+
+
+# ---- slow reduce-scatters: bounded where safe, never a hang ------------------------------------
+
+
+def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2) -> dict:
+    """Every reduce-scatter looks unfinished whenever the schedule polls it (a slow network), so
+    only the bound's waits retire them before the end of backward. Records how many were in
+    flight after each one started."""
+    from shardwrap import ShardedModule
+    from shardwrap.handle import UnitHandle
+    from shardwrap.schedule import CollectiveSchedule
+
+    polled, start = UnitHandle.reduce_completed, CollectiveSchedule._start_reduce
+    in_flight: list[int] = []
+
+    def recording_start(self, handle):
+        start(self, handle)
+        in_flight.append(len(self._in_flight))
+
+    UnitHandle.reduce_completed = lambda self: False
+    CollectiveSchedule._start_reduce = recording_start
+    try:
+        torch.manual_seed(0)
+        net = AuxNet() if aux_graph else models.MLP(dim=16, depth=6)
+        model = ShardedModule(net, auto_wrap_policy={models.Block}, max_unsharded=max_unsharded)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(steps):
+            batch = global_batch(Case("mlp"), step)
+            x, y = batch["x"].chunk(world)[rank], batch["y"].chunk(world)[rank]
+            loss = aux_loss(model, x, y, rank, step) if aux_graph else ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        UnitHandle.reduce_completed, CollectiveSchedule._start_reduce = polled, start
+    return {"in_flight": in_flight, "state": model.full_state_dict()}
+
+
+def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them():
+    """Same graphs on every rank: at most one reduce-scatter (one packed unit gradient) stays in
+    flight until the last two units of the backward, and training matches the single-process
+    reference. Without the bound all seven units' reduce-scatters would be in flight at the end."""
+    steps = 2
+    torch.manual_seed(0)
+    reference = models.MLP(dim=16, depth=6)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        batch = global_batch(Case("mlp"), step)
+        ((reference(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ranks = run_on_ranks(2, on_ranks_slow_reductions, False, steps, timeout=60)
+    for r in ranks:
+        per_step = [r["in_flight"][i : i + 7] for i in range(0, 7 * steps, 7)]
+        assert len(r["in_flight"]) == 7 * steps, r["in_flight"]
+        # the counts each rank learns lag by up to two units, so the last two may pile up
+        assert all(max(s[:5]) == 1 and max(s) <= 3 for s in per_step), r["in_flight"]
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("max_unsharded", [1, 2])
+def test_slow_reduce_scatters_with_graphs_that_differ_neither_hang_nor_desync(max_unsharded):
+    """The aux head that one rank's loss skips defers reduce-scatters on the others; the bound must
+    not wait for those and the result must still match the reference. Without prefetch, rank 0
+    waiting for aux's reduce-scatter would hold back the stem's all-gather the others need to
+    reach the end of backward, where they start it: a deadlock."""
+    world, steps = 3, 4
+    expected = aux_reference(world, steps)
+    full = run_on_ranks(world, on_ranks_slow_reductions, True, steps, max_unsharded, timeout=60)[0]["state"]
+    for k, v in expected.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

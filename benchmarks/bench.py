@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common import apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
 from shardwrap.memory import (
     CATEGORIES, LiveStorages, model_state_bytes, optimizer_states, state_classifier, unsharded_tensors,
 )
@@ -107,7 +108,7 @@ def loss_of(name: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def wrap(impl: str, name: str):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,11 +129,7 @@ def wrap(impl: str, name: str):
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), sharding_strategy=strategy,
                      device_id=torch.device("cpu"), use_orig_params=True)
     elif impl.startswith("fully_shard"):
-        raf = "False" not in impl
-        for m in model.modules():
-            if isinstance(m, tuple(units)):
-                fully_shard(m, reshard_after_forward=raf)
-        fully_shard(model, reshard_after_forward=raf)
+        model = apply_fully_shard(model, units, reshard_after_forward="False" not in impl)
     else:
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2)

@@ -40,6 +40,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
 
+from common import apply_fully_shard  # noqa: E402  (benchmarks/common.py)
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +90,7 @@ def sync() -> None:
 
 
 def wrap(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -102,11 +103,7 @@ def wrap(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), sharding_strategy=ShardingStrategy.FULL_SHARD,
                      device_id=device, use_orig_params=True)
     elif impl.startswith("fully_shard"):
-        raf = "False" not in impl
-        for m in model.modules():
-            if isinstance(m, tuple(units)):
-                fully_shard(m, reshard_after_forward=raf)
-        fully_shard(model, reshard_after_forward=raf)
+        model = apply_fully_shard(model, units, reshard_after_forward="False" not in impl)
     else:  # "shardwrap s<stage>[ bf16][ no-prefetch]"
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2,

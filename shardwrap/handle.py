@@ -91,6 +91,11 @@ def _weak(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
+def _average_grad(summed: torch.Tensor, world_size: int) -> None:
+    """Turn the reduce-scatter's sum over ranks into DDP's average, in place."""
+    summed.div_(world_size)
+
+
 Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
 
 
@@ -422,7 +427,7 @@ class UnitHandle:
         if not self._used_here and reduced[S].item() == 0:
             return
         sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
-        sharded_grad.div_(self.world_size)
+        _average_grad(sharded_grad, self.world_size)
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad

@@ -3,6 +3,7 @@
 from shardwrap.checkpoint import export_to_torch_save, load_checkpoint, load_full, save_checkpoint, save_full
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.sharded_module import ShardedModule
+from shardwrap.stage import Stage
 from shardwrap.wrap import CallablePolicy, ModuleTypePolicy, SizePolicy, WrapPolicy
 
 __all__ = [
@@ -11,5 +12,5 @@ __all__ = [
     "save_full",
     "load_full",
     "export_to_torch_save",
-    "ShardedModule", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
+    "ShardedModule", "Stage", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
 __version__ = "0.1.0"

@@ -15,11 +15,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from shardwrap import collectives
 from shardwrap.state_dict import check_full, init_optim_state
 
 if TYPE_CHECKING:
@@ -27,10 +27,8 @@ if TYPE_CHECKING:
 
 
 def _agree(value: Any, model: "ShardedModule") -> Any:
-    box = [value]
-    group = model.mesh.get_group()
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    """The mesh's first rank's ``value`` on every rank."""
+    return collectives.broadcast_object(value, model.mesh.get_group())
 
 
 def _write(state: dict[str, Any], tmp: str) -> None:
@@ -52,16 +50,16 @@ def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
-    tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None, model)
+    tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model)
     try:
         _write(state, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dist.barrier(group=model.mesh.get_group())
+    collectives.barrier(model.mesh.get_group())
     if model.mesh.get_local_rank() == 0:
         _commit(tmp, path)
-    dist.barrier(group=model.mesh.get_group())
+    collectives.barrier(model.mesh.get_group())
 
 
 def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -115,7 +113,7 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         torch.save(state, tmp)
         os.replace(tmp, path)
-    dist.barrier(group=model.mesh.get_group())
+    collectives.barrier(model.mesh.get_group())
 
 
 def load_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -1,18 +1,26 @@
-"""The collectives shardwrap issues. This is the only module that calls ``torch.distributed``
-for data movement, so every byte that crosses ranks is visible here (and countable: see
-``CommCounter``).
+"""Every collective shardwrap issues, and the process groups it builds.
 
-Each function works on flat 1-D tensors over the process group of a 1-D mesh.
+This is the only module of the package that calls ``torch.distributed``, so every byte that
+crosses ranks is visible here and counted by ``count_collectives``: the data collectives, the
+one-integer count exchanges, object broadcasts and barriers. Process-group construction
+(``default_mesh``, ``reduce_group_for``, ``init_fake_world``) lives here too.
+
+The tensor functions work on flat 1-D tensors over the process group of a 1-D mesh.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+Group = dist.ProcessGroup
+Work = dist.Work
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.6) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,10 +31,12 @@ _counter: Counter[str] | None = None
 
 @contextmanager
 def count_collectives() -> Iterator[Counter[str]]:
-    """Count the elements each kind of collective sends while the context is open.
+    """Count what each kind of collective sends while the context is open.
 
-    The counts are input elements per rank: an all-gather of a 4-element shard counts 4, a
-    reduce-scatter of a 12-element buffer counts 12, a broadcast of n elements counts n.
+    ``counts[kind]`` is input elements per rank (an all-gather of a 4-element shard counts 4, a
+    reduce-scatter of a 12-element buffer counts 12, a broadcast of n elements counts n),
+    ``counts[kind + "_calls"]`` the number of calls, and ``counts["bytes"]`` the input bytes of
+    every collective together (a pickled object counts its pickle's length; a barrier counts 0).
     """
     global _counter
     previous, _counter = _counter, Counter()
@@ -36,10 +46,15 @@ def count_collectives() -> Iterator[Counter[str]]:
         _counter = previous
 
 
-def _count(kind: str, numel: int) -> None:
+def _count(kind: str, numel: int, nbytes: int) -> None:
     if _counter is not None:
         _counter[kind] += numel
         _counter[kind + "_calls"] += 1
+        _counter["bytes"] += nbytes
+
+
+def _count_tensor(kind: str, tensor: torch.Tensor) -> None:
+    _count(kind, tensor.numel(), tensor.numel() * tensor.element_size())
 
 
 def all_gather(
@@ -50,7 +65,7 @@ def all_gather(
     With 2 ranks, rank 0 passing ``[1, 2]`` and rank 1 passing ``[3, 4]``, every rank's
     ``output`` becomes ``[1, 2, 3, 4]``. ``output.numel()`` must be ``world_size * shard.numel()``.
     """
-    _count("all_gather", shard.numel())
+    _count_tensor("all_gather", shard)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -62,7 +77,7 @@ def reduce_scatter(
     With 2 ranks, rank 0 passing ``[1, 2, 3, 4]`` and rank 1 passing ``[10, 20, 30, 40]``,
     rank 0's ``output`` becomes ``[11, 22]`` and rank 1's becomes ``[33, 44]``.
     """
-    _count("reduce_scatter", padded_input.numel())
+    _count_tensor("reduce_scatter", padded_input)
     return _reduce_scatter_single(output, padded_input, group=group, async_op=async_op)
 
 
@@ -71,15 +86,22 @@ def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | N
 
     Counted apart from the data all-gathers, under ``"counts"``.
     """
-    _count("counts", 1)
+    mine = torch.tensor([count], dtype=torch.int64)
+    _count_tensor("counts", mine)
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
-    work = _all_gather_single(out, torch.tensor([count], dtype=torch.int64), group=group, async_op=True)
+    work = _all_gather_single(out, mine, group=group, async_op=True)
     return work, out
+
+
+def wait(work: dist.Work | None) -> None:
+    """Block until ``work`` finished (on NCCL: order the current stream after it)."""
+    if work is not None:
+        work.wait()
 
 
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
-    _count("broadcast", tensor.numel())
+    _count_tensor("broadcast", tensor)
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
@@ -97,21 +119,91 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ranks (used for small scalars such as gradient norms)."""
-    _count("all_reduce", tensor.numel())
+    _count_tensor("all_reduce", tensor)
     dist.all_reduce(tensor, group=group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Take the elementwise maximum of ``tensor`` in place over ranks."""
-    _count("all_reduce", tensor.numel())
+    _count_tensor("all_reduce", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
-def scatter(output: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, group: dist.ProcessGroup) -> None:
-    """The source rank's ``pieces[r]`` lands in rank ``r``'s ``output``.
+def scatter(output: torch.Tensor, pieces: list[torch.Tensor] | None, group: dist.ProcessGroup) -> None:
+    """The group's first rank's ``pieces[r]`` lands in rank ``r``'s ``output``.
 
-    With 2 ranks and the source passing ``[[1, 2], [3, 4]]``, rank 0 gets ``[1, 2]`` and rank 1
+    With 2 ranks and the first passing ``[[1, 2], [3, 4]]``, rank 0 gets ``[1, 2]`` and rank 1
     gets ``[3, 4]``. Other ranks pass ``pieces=None``.
     """
-    _count("scatter", output.numel())
+    _count_tensor("scatter", output)
+    src = dist.get_global_rank(group, 0)
     dist.scatter(output, pieces if dist.get_rank() == src else None, src=src, group=group)
+
+
+def broadcast_object(value: Any, group: dist.ProcessGroup) -> Any:
+    """The group's first rank's ``value`` (any picklable object), returned on every rank.
+
+    Only for values this package built itself (verdicts, names, temporary paths): the receiving
+    ranks unpickle what the first rank sent, never anything read from a file.
+    """
+    first = group_rank(group) == 0
+    _count("object", 1, len(pickle.dumps(value)) if first else 0)
+    box = [value if first else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """Wait until every rank of ``group`` reached this point."""
+    _count("barrier", 0, 0)
+    dist.barrier(group=group)
+
+
+# ---- ranks and groups ------------------------------------------------------------------------
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (for error messages), or 0 without a process group."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def backend() -> str:
+    return str(dist.get_backend())
+
+
+def default_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group."""
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+_REDUCE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second process group over the same ranks, for reduce-scatters (cached per rank set):
+    its own sequence lets reduce-scatters run beside all-gathers [design/notes/collective-schedule.md]."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _REDUCE_GROUPS:
+        _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
+    return _REDUCE_GROUPS[ranks]
+
+
+def init_fake_world(world: int) -> None:
+    """A fake process group of ``world`` ranks in this one process (the estimator's simulation):
+    collectives return at once and move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

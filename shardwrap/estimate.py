@@ -101,13 +101,9 @@ def formula(psi: int, unit: int, world: int, precision: str) -> dict[int, dict[s
 
 
 def simulate(shape: Shape, world: int, precision: str) -> dict[str, float]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from shardwrap import ShardedModule, collectives
 
-    from shardwrap import ShardedModule
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    collectives.init_fake_world(world)
     t0 = time.perf_counter()
     mp = MixedPrecision(param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
     model = ShardedModule(

@@ -1,33 +1,31 @@
-"""``ShardedModule``: the wrapper, its units, and the hooks that drive them.
+"""``ShardedModule``: the wrapper. It plans the units and coordinates the root's part of a step.
 
-Reading order: ``__init__`` plans the units (pure, may raise), then builds one ``UnitHandle``
-per unit. ``_pre_forward``/``_post_forward`` run around each unit's forward; ``_pre_backward``
-runs when the first gradient reaches a unit's outputs; the handle's post-accumulate-grad hook is
-post_backward; ``_finish_backward`` is queued once per backward and runs after it.
+Reading order: ``__init__`` plans the units (pure, may raise), then builds one ``Unit`` per
+unit (``unit.py``), whose hooks run each unit's life. The root coordinates what belongs to the
+whole model: the first pre-forward of a step, the start and the end of backward (the queued
+``_finish_backward``), the reduce-scatters' completion, ``no_sync`` and the public API.
 See design/architecture.md for the whole data path.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import collectives, state_dict
-from shardwrap.handle import Slot, TrainingState, UnitHandle
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
+from shardwrap.stage import Stage
+from shardwrap.unit import GradState, Slot, TrainingState, Unit
 from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -176,7 +174,7 @@ def _meta_init_check(root: nn.Module, param_init_fn: Callable[[nn.Module], None]
 
 
 def _init_device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if torch.cuda.is_available() and collectives.backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -217,11 +215,11 @@ def _materialize(
             yield u
 
 
-def _share_rng_state(group: dist.ProcessGroup, device: torch.device) -> None:
+def _share_rng_state(group: collectives.Group, device: torch.device) -> None:
     """Give every rank the first rank's random generator state, so that initializing the same
     modules in the same order draws the same numbers everywhere: no parameter needs a broadcast."""
-    states: list[Any] = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
-    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    mine: list[Any] = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+    states = collectives.broadcast_object(mine, group)
     torch.set_rng_state(states[0])
     if states[1] is not None:
         torch.cuda.set_rng_state(states[1], device)
@@ -241,25 +239,12 @@ def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
             f"are on {device}; build the mesh with init_device_mesh('{device.type}', ...)"
         )
     if mesh.get_coordinate() is None:
-        raise ValueError(f"ShardedModule: rank {dist.get_rank()} is not part of the given mesh {mesh}")
-    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"ShardedModule: rank {collectives.rank()} is not part of the given mesh {mesh}")
+    if mesh.size() != collectives.world_size():
         raise ValueError(
             f"ShardedModule: mesh has {mesh.size()} ranks but the default process group has "
-            f"{dist.get_world_size()}; pass a mesh over every rank, or leave mesh=None"
+            f"{collectives.world_size()}; pass a mesh over every rank, or leave mesh=None"
         )
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors_in(item)]
-    if isinstance(obj, dict):  # includes HF ModelOutput, an OrderedDict
-        return [t for item in obj.values() for t in _tensors_in(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
-    return []
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -279,7 +264,8 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
 
 
 class ShardedModule(nn.Module):
-    """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default).
+    """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
+    ``shardwrap.Stage`` gives the switches directly).
 
     The module tree is not rewritten: ``named_parameters()``, ``named_modules()`` and
     ``state_dict()`` use the unwrapped model's names, and attribute access falls through to
@@ -291,14 +277,14 @@ class ShardedModule(nn.Module):
         module: nn.Module,
         *,
         auto_wrap_policy: PolicyLike = None,
-        stage: int = 3,
+        stage: int | Stage = 3,
         mesh: DeviceMesh | None = None,
         mixed_precision: MixedPrecision | None = None,
         max_unsharded: int = 2,
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         # --- validate everything before changing any state ---
-        if not (dist.is_available() and dist.is_initialized()):
+        if not collectives.is_initialized():
             raise RuntimeError(
                 "ShardedModule needs an initialized process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the "
@@ -313,8 +299,7 @@ class ShardedModule(nn.Module):
                     f"ShardedModule: {where} ({type(sub).__name__}) is already wrapped. Wrap the "
                     f"outermost model once and choose inner units with auto_wrap_policy"
                 )
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(f"ShardedModule: stage={stage!r} is not a ZeRO stage; use 1, 2 or 3")
+        switches = Stage.of(stage)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"ShardedModule: mixed_precision={mixed_precision!r}; pass "
@@ -339,32 +324,36 @@ class ShardedModule(nn.Module):
         # --- build ---
         super().__init__()
         self.module = module
-        self.stage = stage
+        self.stage = stage  # what the user passed; ``switches`` is what the units read
+        self.switches = switches
         self.mixed_precision = mixed_precision or MixedPrecision()
-        self.mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mesh = mesh if mesh is not None else collectives.default_mesh(device.type)
         group = self.mesh.get_group()
         names = [p.name or "<root>" for p in plans]
-        reduce_group = _reduce_group_for(group)
-        # id(sharded param) -> (handle, slot index), for state dicts
-        self._param_index: dict[int, tuple[UnitHandle, int]] = {}
-        built: dict[int, UnitHandle] = {}
+        reduce_group = collectives.reduce_group_for(group)
+        self._state = TrainingState.IDLE
+        count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
+        self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
+        self.expect_backward = False  # a unit's outputs require grad: a backward will follow
+        self.sync = True  # False inside no_sync()
+        self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
+        built: dict[int, Unit] = {}
 
         def build(i: int) -> None:
             plan = plans[i]
             if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
                 collectives.broadcast_tensors(plan.params, group)  # one dtype per unit: one collective
-            handle = UnitHandle(
-                name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns, slots=plan.slots,
-                mesh=self.mesh, reduce_group=reduce_group, param_dtype=self.mixed_precision.param_dtype,
-                reduce_dtype=self.mixed_precision.reduce_dtype, keep_unsharded_grad=stage == 1,
+            unit = Unit(
+                root=self, name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns,
+                slots=plan.slots, mesh=self.mesh, reduce_group=reduce_group, stage=switches,
+                param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
             )
-            handle.on_grad_ready = self._post_backward
-            for j, (old, new) in enumerate(zip(plan.params, handle.sharded_params)):
-                self._param_index[id(new)] = (handle, j)
+            for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
+                self._unit_of[id(new)] = (unit, j)
                 _RETIRED_PARAMS[old] = plan.fqns[j]
-            plan.module.register_forward_pre_hook(self._make_pre_forward(handle), prepend=True)
-            plan.module.register_forward_hook(self._make_post_forward(handle))
-            built[i] = handle
+            plan.module.register_forward_pre_hook(unit.pre_forward, prepend=True)
+            plan.module.register_forward_hook(unit.post_forward)
+            built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
 
         if on_meta:  # materialize module by module; shard each unit as soon as it is complete
@@ -375,7 +364,7 @@ class ShardedModule(nn.Module):
         else:
             for i in range(len(plans)):
                 build(i)
-        self._handles = [built[i] for i in range(len(plans))]
+        self._units = [built[i] for i in range(len(plans))]
         if self.mesh.size() > 1:
             collectives.broadcast_tensors(list(module.buffers()), group)
         for sub in module.modules():
@@ -384,12 +373,6 @@ class ShardedModule(nn.Module):
         if not _optimizer_hook_installed:
             register_optimizer_step_pre_hook(_check_optimizer_params)
             _optimizer_hook_installed = True
-
-        self._state = TrainingState.IDLE
-        count_group = self.mesh.get_group() if device.type == "cpu" else None  # see CollectiveSchedule
-        self._schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
-        self._expect_backward = False
-        self._sync = True  # False inside no_sync()
         if self.mixed_precision.buffer_dtype is not None:
             with torch.no_grad():
                 for sub in module.modules():
@@ -421,91 +404,105 @@ class ShardedModule(nn.Module):
         return self.module(*args, **kwargs)
 
     @property
-    def units(self) -> list[UnitHandle]:
+    def units(self) -> list[Unit]:
         """The units in pre-order, root first."""
-        return list(self._handles)
+        return list(self._units)
 
-    # ---- forward hooks ------------------------------------------------------------------------
+    def unit_of(self, param: torch.Tensor) -> tuple[Unit, int] | None:
+        """The unit owning the sharded parameter ``param`` and its index there, or None."""
+        return self._unit_of.get(id(param))
 
-    def _make_pre_forward(self, handle: UnitHandle):  # type: ignore[no-untyped-def]
-        def pre_forward(module: nn.Module, args: Any) -> None:
-            if handle.index == 0:
-                self._root_pre_forward()
-            self._schedule.record_pre_forward(handle, torch.is_grad_enabled())
-            handle.training_state = TrainingState.FORWARD
-            self._schedule.unshard_for_forward(handle)
-            handle.install_unsharded_views()
+    # ---- the root's part of a step (the units call these) ---------------------------------------
 
-        return pre_forward
-
-    def _make_post_forward(self, handle: UnitHandle):  # type: ignore[no-untyped-def]
-        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
-            handle.install_sharded_params()
-            handle.training_state = TrainingState.IDLE
-            wants_grad = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
-            if wants_grad:
-                register_multi_grad_hook(wants_grad, lambda grads: self._pre_backward(handle), mode="any")
-                self._schedule.record_post_forward(handle)
-                self._expect_backward = True
-            if self.stage == 3:
-                handle.reshard()
-            if handle.index == 0:
-                self._schedule.drop_prefetched()
-                if not self._expect_backward:
-                    for h in self._handles:  # nothing will run backward: leave nothing unsharded
-                        h.reshard()
-            return output
-
-        return post_forward
-
-    def _root_pre_forward(self) -> None:
+    def in_backward(self) -> bool:
+        """Whether a backward of this model is running. A unit's forward then is activation
+        checkpointing recomputing it. The engine's graph task id covers a recomputation that
+        comes before any of this model's backward hooks ran."""
         if self._state is TrainingState.BACKWARD:
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: ShardedModule forward called during backward; "
-                f"activation checkpointing with recomputation is not supported yet"
-            )
-        if not self._expect_backward:
-            self._schedule.clear()
-        self._schedule.start_forward()
+            return True
+        if torch._C._current_graph_task_id() != -1:
+            self.begin_backward()
+            return True
+        return False
 
-    # ---- backward hooks -----------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        """The root unit's forward starts: a new step's forward, unless one is still owed a
+        backward (several forwards before one backward)."""
+        if not self.expect_backward:
+            self.schedule.clear()
+        self.schedule.start_forward()
 
-    def _begin_backward(self) -> None:
+    def root_post_forward(self) -> None:
+        """The root unit's forward ended: drop units gathered ahead that were not used, and if no
+        backward will follow, leave nothing unsharded."""
+        for unit in self.schedule.take_prefetched():
+            unit.reshard()
+        if not self.expect_backward:
+            for unit in self._units:
+                unit.reshard()
+
+    def begin_backward(self) -> None:
         if self._state is TrainingState.BACKWARD:
             return
         self._state = TrainingState.BACKWARD
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._schedule.begin_backward(sync=self._sync)
+        self.schedule.begin_backward(sync=self.sync)
 
-    def _pre_backward(self, handle: UnitHandle) -> None:
-        self._begin_backward()
-        self._schedule.gather_through(handle)
-        handle.training_state = TrainingState.BACKWARD
+    def prefetch_backward(self) -> None:
+        ahead = self.schedule.backward_prefetch()
+        if ahead is not None:
+            ahead.unshard(async_op=True)
+            self.schedule.gathered_ahead()
 
-    def _post_backward(self, handle: UnitHandle) -> None:
-        self._begin_backward()
-        if self._sync:
-            handle.pack_grad()
-        if self.stage >= 2:
-            handle.reshard()
-        handle.training_state = TrainingState.IDLE
-        if self._sync:
-            self._schedule.flush_reductions()
-        self._schedule.unit_backward_done()
+    def start_due_reductions(self) -> None:
+        """Start the reduce-scatter of every packed unit whose predecessors have all started."""
+        for unit in self.schedule.reductions_due():
+            self._start_reduction(unit)
+
+    def _start_reduction(self, unit: Unit) -> None:
+        """Start ``unit``'s reduce-scatter after applying every earlier one that completed, then
+        bound how many are in flight (waiting only for ones every rank started)."""
+        self.apply_completed_reductions()
+        unit.reduce_scatter_grad()
+        self.schedule.started(unit)
+        while (oldest := self.schedule.over_bound()) is not None:
+            oldest.finish_grad()
+
+    def apply_completed_reductions(self) -> None:
+        """Add every completed reduce-scatter into ``p.grad`` and free its buffers (never waits)."""
+        for unit in self.schedule.completed():
+            unit.finish_grad()
 
     def _finish_backward(self) -> None:
-        """End of backward: finish every collective the schedule still owes (zeros for units this
-        rank's backward did not reach) and reshard every unit, whatever the graph did."""
-        self._schedule.finish(self._handles, sync=self._sync)
-        for handle in self._handles:
-            if self.stage >= 2:
-                handle.reshard()
-            elif self._sync:
-                handle.stale = True  # stage 1: the optimizer will update the shards
-            handle.training_state = TrainingState.IDLE
-        self._expect_backward = False
+        """End of backward: issue whatever this rank's graph skipped (all-gathers, reduce-scatters
+        of zeros for units it did not reach), wait for every reduce-scatter, and reshard every
+        unit, whatever the graph did."""
+        schedule = self.schedule
+        for unit in schedule.skipped_gathers():
+            unit.unshard()
+            schedule.gathered_ahead()
+        if self.sync:
+            for unit in schedule.skipped_reductions():
+                if unit.grad_state is GradState.ACCUMULATING:
+                    unit.pack_grad()  # gradient kept from no_sync micro-batches
+                self._start_reduction(unit)
+            for unit in self._units:
+                if unit.grad_state in (GradState.ACCUMULATING, GradState.PACKED):  # outside the recorded forward
+                    unit.pack_grad()
+                    self._start_reduction(unit)
+            for unit in self._units:
+                if unit.grad_state is GradState.IN_FLIGHT:
+                    unit.finish_grad()
+        schedule.end_backward()
+        for unit in self._units:
+            if self.switches.reshard_after_backward:
+                unit.reshard()
+            else:
+                unit.restore_params()
+            unit.training_state = TrainingState.IDLE
+        self.expect_backward = False
         self._state = TrainingState.IDLE
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
@@ -514,11 +511,11 @@ class ShardedModule(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep their gradients unsharded on this rank, with no
         communication; the first backward outside reduces everything accumulated."""
-        previous, self._sync = self._sync, False
+        previous, self.sync = self.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self.sync = previous
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -529,7 +526,7 @@ class ShardedModule(nn.Module):
         rank gives a NaN or inf norm on every rank.
         """
         self._check_idle("clip_grad_norm_")
-        if any(h.grad_pending or h.grad_ready for h in self._handles):
+        if not all(u.grad_settled for u in self._units):
             raise RuntimeError(
                 "clip_grad_norm_: gradients accumulated under no_sync() are not reduced yet; run the "
                 "last micro-batch's backward outside no_sync(), then clip"
@@ -539,7 +536,7 @@ class ShardedModule(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
         first = self.mesh.get_local_rank() == 0
         counted = [g for g in grads if g.dim() > 0 or first]  # 0-dim parameters are replicated: count once
-        device = self._handles[0].device
+        device = self._units[0].device
         if norm_type == float("inf"):
             local_max = torch.stack([g.abs().max().float() for g in counted]).max() if counted else torch.zeros((), device=device)
             stats = torch.stack([local_max, torch.isnan(local_max).float()]).to(device)
@@ -561,8 +558,8 @@ class ShardedModule(nn.Module):
     # ---- state dicts (shardwrap/state_dict.py) ------------------------------------------------
 
     def _check_idle(self, what: str) -> None:
-        if self._state is not TrainingState.IDLE or any(h.training_state is not TrainingState.IDLE for h in self._handles):
-            raise RuntimeError(f"rank {dist.get_rank()}: {what} called during forward or backward; call it between steps")
+        if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
+            raise RuntimeError(f"rank {collectives.rank()}: {what} called during forward or backward; call it between steps")
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """``{original name: DTensor(Shard(0))}`` for parameters, plain tensors for buffers.
@@ -618,16 +615,3 @@ class ShardedModule(nn.Module):
         """Load what ``sharded_optim_state_dict`` gave, resharding when the world size differs."""
         self._check_idle("load_sharded_optim_state_dict")
         state_dict.load_sharded_optim_state_dict(self, optimizer, osd)
-
-
-_REDUCE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A second process group over the same ranks, for reduce-scatters (cached per rank set)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _REDUCE_GROUPS:
-        _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
-    return _REDUCE_GROUPS[ranks]
-
-

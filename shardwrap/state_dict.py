@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwrap import collectives
 from shardwrap.flat_param import ParamSlot
 
 if TYPE_CHECKING:
-    from shardwrap.handle import UnitHandle
+    from shardwrap.unit import Unit
     from shardwrap.sharded_module import ShardedModule
 
 
@@ -44,7 +43,7 @@ def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tenso
     if isinstance(value, DTensor):
         local = value.to_local()
         if value.placements == (Shard(0),) and tuple(local.shape) == slot.sharded_shape(rank):
-            same_split = value.device_mesh.size() == dist.get_world_size()
+            same_split = value.device_mesh.size() == collectives.world_size()
             if same_split:
                 return local
         value = value.full_tensor()
@@ -85,7 +84,7 @@ def _raise_problems(what: str, problems: list[str]) -> None:
 def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in model.module.state_dict(prefix=prefix, keep_vars=True).items():
-        found = model._param_index.get(id(value))
+        found = model.unit_of(value)
         if found is None:
             out[key] = value if keep_vars else value.detach()
         else:
@@ -98,7 +97,7 @@ def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool
 def _expected_shapes(model: "ShardedModule") -> dict[str, tuple[int, ...]]:
     shapes = {}
     for key, value in model.module.state_dict(keep_vars=True).items():
-        found = model._param_index.get(id(value))
+        found = model.unit_of(value)
         shapes[key] = tuple(found[0].layout.slots[found[1]].shape) if found else tuple(value.shape)
     return shapes
 
@@ -112,7 +111,7 @@ def load_sharded_or_full(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     for key, target in model.module.state_dict(keep_vars=True).items():
         if key not in sd:
             continue
-        found = model._param_index.get(id(target))
+        found = model.unit_of(target)
         if found is None:
             value = sd[key].full_tensor() if isinstance(sd[key], DTensor) else sd[key]
             writes.append((target, value))
@@ -121,14 +120,8 @@ def load_sharded_or_full(model: "ShardedModule", sd: Mapping[str, Any], strict: 
             writes.append((handle.sharded_params[i], _local_chunk(sd[key], handle.layout.slots[i], rank)))
     with torch.no_grad():
         for target, value in writes:  # everything validated and converted: now write
-            target.copy_(value)
-    _mark_stale(model)
+            target.copy_(value)  # bumps the shard's version: an unsharded copy is stale (unit.py)
     return [k for k in expected if k not in sd], [k for k in sd if k not in expected]
-
-
-def _mark_stale(model: "ShardedModule") -> None:
-    for handle in model._handles:
-        handle.stale = True  # an unsharded copy (stage 1) predates the load
 
 
 # ---- model: full ------------------------------------------------------------------------------
@@ -137,7 +130,7 @@ def _mark_stale(model: "ShardedModule") -> None:
 def full_state_dict(model: "ShardedModule", rank0_only: bool, cpu_offload: bool) -> dict[str, torch.Tensor]:
     keep = not rank0_only or model.mesh.get_local_rank() == 0
     full_by_id: dict[int, torch.Tensor] = {}
-    for handle in model._handles:
+    for handle in model.units:
         fulls = handle.gather_full()
         if keep:
             for param, full in zip(handle.sharded_params, fulls):
@@ -157,23 +150,19 @@ def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     """The mesh's first rank reads ``sd`` (the others pass ``{}``); shards are scattered unit by
     unit and buffers broadcast."""
     group = model.mesh.get_group()
-    src = dist.get_global_rank(group, 0)
     is_src = model.mesh.get_local_rank() == 0
-    verdict: list[Any] = [_problems(sd, _expected_shapes(model), strict) if is_src else None]
-    dist.broadcast_object_list(verdict, src=src, group=group)
-    _raise_problems("load_full_state_dict", verdict[0])
+    problems = collectives.broadcast_object(_problems(sd, _expected_shapes(model), strict) if is_src else None, group)
+    _raise_problems("load_full_state_dict", problems)
     names = _names_by_id(model)
-    for handle in model._handles:
-        _scatter_unit(handle, sd, names, is_src, src, group)
-    present: list[Any] = [[k for k, _ in model.module.named_buffers() if k in sd] if is_src else None]
-    dist.broadcast_object_list(present, src=src, group=group)
-    targets = [(k, b) for k, b in model.module.named_buffers() if k in present[0]]
+    for unit in model.units:
+        _scatter_unit(unit, sd, names, is_src, group)
+    present = collectives.broadcast_object([k for k, _ in model.module.named_buffers() if k in sd] if is_src else None, group)
+    targets = [(k, b) for k, b in model.module.named_buffers() if k in present]
     if is_src:
         with torch.no_grad():
             for key, buf in targets:
                 buf.copy_(sd[key])
     collectives.broadcast_tensors([b for _, b in targets], group)
-    _mark_stale(model)
 
 
 def _names_by_id(model: "ShardedModule") -> dict[int, list[str]]:
@@ -183,15 +172,14 @@ def _names_by_id(model: "ShardedModule") -> dict[int, list[str]]:
     return names
 
 
-def _scatter_unit(handle: "UnitHandle", sd: Mapping[str, Any], names: dict[int, list[str]], is_src: bool, src: int, group: dist.ProcessGroup) -> None:
+def _scatter_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[str]], is_src: bool, group: collectives.Group) -> None:
     layout, W, S = handle.layout, handle.world_size, handle.layout.shard_numel
     if not layout.slots:
         return
     # Parameters the dict leaves out (strict=False) keep their current values.
     keys = [next((k for k in names[id(p)] if k in sd), None) if is_src else None for p in handle.sharded_params]
-    flags: list[Any] = [[k is not None for k in keys] if is_src else None]
-    dist.broadcast_object_list(flags, src=src, group=group)
-    current = handle.gather_full() if not all(flags[0]) else None
+    flags = collectives.broadcast_object([k is not None for k in keys] if is_src else None, group)
+    current = handle.gather_full() if not all(flags) else None
     incoming = torch.empty(S + 1, dtype=handle.dtype, device=handle.device)
     pieces = None
     if is_src:
@@ -204,7 +192,7 @@ def _scatter_unit(handle: "UnitHandle", sd: Mapping[str, Any], names: dict[int, 
             piece = torch.zeros(S + 1, dtype=handle.dtype, device=handle.device)
             layout.fill_shard_from_full(fulls, piece.narrow(0, 0, S), r)
             pieces.append(piece)
-    collectives.scatter(incoming, pieces, src, group)
+    collectives.scatter(incoming, pieces, group)
     handle.write_shard(incoming.narrow(0, 0, S))
 
 
@@ -215,8 +203,8 @@ def _opt_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def _slot_of(model: "ShardedModule", param: torch.Tensor) -> tuple["UnitHandle", int]:
-    found = model._param_index.get(id(param))
+def _slot_of(model: "ShardedModule", param: torch.Tensor) -> tuple["Unit", int]:
+    found = model.unit_of(param)
     if found is None:
         raise ValueError(
             "the optimizer holds a tensor that is not a parameter of this ShardedModule; build it "
@@ -235,7 +223,7 @@ def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, ra
     osd = opt.state_dict()
     index_of = {id(p): i for i, p in enumerate(params)}
     fulls: dict[tuple[int, str], torch.Tensor] = {}
-    for handle in model._handles:  # one all-gather per unit and state key
+    for handle in model.units:  # one all-gather per unit and state key
         members = [(i, p) for i, p in enumerate(handle.sharded_params) if id(p) in index_of]
         keys = sorted({k for _, p in members for k, v in opt.state.get(p, {}).items() if _is_sharded_state(v, p)})
         for key in keys:
@@ -260,11 +248,7 @@ def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, ra
 
 
 def load_full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
-    group = model.mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    box: list[Any] = [osd if model.mesh.get_local_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=src, group=group)  # small models: the whole dict at once
-    osd = box[0]
+    osd = collectives.broadcast_object(osd if model.mesh.get_local_rank() == 0 else None, model.mesh.get_group())  # the whole dict at once
     params = _opt_params(opt)
     slots = [_slot_of(model, p) for p in params]
     problems = _optim_problems(params, osd, lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].shape))

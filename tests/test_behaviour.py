@@ -100,7 +100,7 @@ def test_one_all_gather_per_unshard_and_one_reduce_scatter_per_unit():
 
 
 def on_ranks_forward_only(case: Case) -> dict:
-    from shardwrap.handle import DataState
+    from shardwrap.unit import DataState
 
     model = wrap(case)
     x = global_batch(case, 0)["x"]
@@ -346,7 +346,7 @@ class _EventWork:
 def test_accelerator_probe_never_calls_wait():
     """On CUDA, ``wait()`` from any thread would make the compute stream queue behind the
     reduce-scatter; the probe must read the collective's completion instead."""
-    from shardwrap.handle import completion_probe
+    from shardwrap.unit import completion_probe
 
     work = _EventWork()
     probe = completion_probe(work, torch.device("cuda", 0))
@@ -358,7 +358,7 @@ def test_accelerator_probe_never_calls_wait():
 
 def test_cpu_probe_waits_on_the_waiter_thread_and_does_not_block():
     """gloo reports completion only through ``wait()``; the probe hands that to one thread."""
-    from shardwrap.handle import completion_probe
+    from shardwrap.unit import completion_probe
 
     work = _EventWork()
     probe = completion_probe(work, torch.device("cpu"))
@@ -407,18 +407,17 @@ def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2
     only the bound's waits retire them before the end of backward. Records how many were in
     flight after each one started."""
     from shardwrap import ShardedModule
-    from shardwrap.handle import UnitHandle
-    from shardwrap.schedule import CollectiveSchedule
+    from shardwrap.unit import Unit
 
-    polled, start = UnitHandle.reduce_completed, CollectiveSchedule._start_reduce
+    polled, start = Unit.reduce_completed, ShardedModule._start_reduction
     in_flight: list[int] = []
 
-    def recording_start(self, handle):
-        start(self, handle)
-        in_flight.append(len(self._in_flight))
+    def recording_start(self, unit):
+        start(self, unit)
+        in_flight.append(len(self.schedule._in_flight))
 
-    UnitHandle.reduce_completed = lambda self: False
-    CollectiveSchedule._start_reduce = recording_start
+    Unit.reduce_completed = lambda self: False
+    ShardedModule._start_reduction = recording_start
     try:
         torch.manual_seed(0)
         net = AuxNet() if aux_graph else models.MLP(dim=16, depth=6)
@@ -433,7 +432,7 @@ def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2
             opt.step()
             opt.zero_grad()
     finally:
-        UnitHandle.reduce_completed, CollectiveSchedule._start_reduce = polled, start
+        Unit.reduce_completed, ShardedModule._start_reduction = polled, start
     return {"in_flight": in_flight, "state": model.full_state_dict()}
 
 

@@ -52,12 +52,14 @@ def test_accumulation_with_and_without_no_sync(stage, no_sync):
     check_parity(case(stage=stage, accumulate=4, batch=24, no_sync=no_sync), 3)
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_stage1_gradients_in_the_unsharded_buffer_accumulate_like_torch(set_to_none):
+def test_stage1_gradients_in_the_unsharded_buffer_accumulate_like_torch(set_to_none, optim):
     # Stage 1's p.grad are views of the unsharded gradient buffer's rows: two syncing backward
     # calls per step (the second must add to, not overwrite, the first reduced gradient), and
-    # zero_grad both ways.
-    check_parity(case(stage=1, optim="adamw", accumulate=2, set_to_none=set_to_none, steps=4), 3)
+    # zero_grad both ways. AdamW alone would not see a gradient off by a constant factor (a wrong
+    # average over ranks or micro-batches); SGD with momentum does.
+    check_parity(case(stage=1, optim=optim, accumulate=2, set_to_none=set_to_none, steps=4), 3)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
@@ -97,7 +99,7 @@ def test_execution_order_change_between_steps_stays_correct(max_unsharded):
 
 def on_ranks_prefetch(max_unsharded: int) -> list:
     from shardwrap import ShardedModule
-    from shardwrap.handle import DataState, TrainingState
+    from shardwrap.unit import DataState, TrainingState
 
     model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, max_unsharded=max_unsharded)
     seen = []
@@ -106,7 +108,7 @@ def on_ranks_prefetch(max_unsharded: int) -> list:
         ahead = [
             h.name
             for h in model.units
-            if h.training_state is TrainingState.IDLE and (h.gathering or h.data_state is DataState.UNSHARDED)
+            if h.training_state is TrainingState.IDLE and h.data_state in (DataState.GATHERING, DataState.UNSHARDED)
         ]
         seen.append((step, ahead))
 
@@ -130,14 +132,14 @@ def test_forward_prefetches_the_next_unit_within_the_limit():
 
 def on_ranks_backward_prefetch() -> list:
     from shardwrap import ShardedModule
-    from shardwrap.handle import DataState
+    from shardwrap.unit import DataState
 
     model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, max_unsharded=2)
     seen = []
 
     def probe(name):
         def hook(grad):  # runs inside block ``name``'s backward, after its pre_backward
-            ahead = [h.name for h in model.units[1:] if h.name != name and (h.gathering or h.data_state is DataState.UNSHARDED)]
+            ahead = [h.name for h in model.units[1:] if h.name != name and h.data_state in (DataState.GATHERING, DataState.UNSHARDED)]
             seen.append((name, ahead))
 
         return hook

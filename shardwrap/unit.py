@@ -1,0 +1,665 @@
+"""The unit: one wrapped submodule's flat parameter and its whole life in a training step.
+
+A ``Unit`` owns the sharded flat parameter, the per-parameter views the optimizer sees, the
+unsharded buffer that exists only between ``unshard`` and ``reshard``, and its gradient on the way
+from autograd to ``p.grad``. Its four hooks (``pre_forward``, ``post_forward``, ``pre_backward``,
+``post_backward``) drive two state machines whose every transition is checked:
+
+* ``DataState``: SHARDED -> GATHERING -> UNSHARDED (-> UNSHARDED_STALE once the shard is written)
+  -> SHARDED;
+* ``GradState``: NONE -> ACCUMULATING -> PACKED -> IN_FLIGHT -> REDUCED.
+
+The order in which units communicate comes from ``schedule.py``; the root's part of a step (the
+first pre-forward, the end of backward) from ``sharded_module.py``. design/architecture.md has the
+tables of both enums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardwrap import collectives
+from shardwrap.flat_param import FlatLayout
+from shardwrap.stage import Stage
+
+if TYPE_CHECKING:
+    from shardwrap.sharded_module import ShardedModule
+
+
+class DataState(Enum):
+    """Where a unit's parameters live right now."""
+
+    SHARDED = auto()  # only the flat shard is allocated
+    GATHERING = auto()  # an all-gather into the unsharded buffer is in flight (prefetch)
+    UNSHARDED = auto()  # the unsharded buffer holds the full parameters
+    UNSHARDED_STALE = auto()  # ... but the shard was written since (an optimizer step, a load)
+
+
+class GradState(Enum):
+    """Where a unit's gradient is on its way from autograd to ``p.grad``."""
+
+    NONE = auto()  # nothing pending
+    ACCUMULATING = auto()  # autograd's unsharded flat gradient holds a gradient not yet packed
+    PACKED = auto()  # packed rank-major for the reduce-scatter, waiting for its turn
+    IN_FLIGHT = auto()  # the reduce-scatter is running
+    REDUCED = auto()  # the last reduce-scatter landed: its average is in ``p.grad`` (if any rank used the unit)
+
+
+class TrainingState(Enum):
+    """Which phase a unit (or the whole wrapped model) is in."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+_WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-reduce-waiter")
+
+
+class _WaiterProbe:
+    """Completion of a CPU (gloo) collective, polled without blocking.
+
+    gloo's ``Work.is_completed()`` turns true only once somebody has called ``wait()``, so the
+    waiter thread calls it and this probe reads the thread's future.
+    """
+
+    def __init__(self, work: collectives.Work) -> None:
+        self._done: Future[None] = _WAITER.submit(work.wait)
+
+    def __call__(self) -> bool:
+        return self._done.done()
+
+    def join(self) -> None:
+        self._done.result()
+
+
+def completion_probe(work: collectives.Work | None, device: torch.device) -> Callable[[], bool] | None:
+    """A non-blocking "has this collective finished?" for ``work`` (None: nothing in flight).
+
+    On an accelerator the probe must not call ``wait()`` from another thread: NCCL's ``wait()``
+    makes the *calling thread's current stream* wait for the collective, which is the compute
+    stream, so the next unit's backward would queue behind the reduce-scatter and nothing would
+    overlap. There ``is_completed()`` queries the collective's end event directly.
+    """
+    if work is None:
+        return None
+    if device.type == "cpu":
+        return _WaiterProbe(work)
+    return work.is_completed
+
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` without a strong reference to its object.
+
+    A hook registered with ``register_post_accumulate_grad_hook`` is kept where Python's garbage
+    collector does not look, so a hook that references the unit owning the tensor makes a cycle
+    that is never collected: every deleted ShardedModule would keep its shards, unsharded buffers
+    and gradients alive for the life of the process (tests/test_behaviour.py checks it is freed).
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _average_grad(summed: torch.Tensor, world_size: int) -> None:
+    """Turn the reduce-scatter's sum over ranks into DDP's average, in place."""
+    summed.div_(world_size)
+
+
+def _alias(storage_owner: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A tensor over ``storage_owner``'s storage with its *own* version counter.
+
+    Refilling the unsharded buffer after autograd saved views of it must not bump the version
+    counter those views carry (design/notes/freeing-unsharded-storage.md).
+    """
+    alias = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    return alias.set_(storage_owner.untyped_storage(), offset, (numel,), (1,))
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    if isinstance(obj, dict):  # includes HF ModelOutput, an OrderedDict
+        return [t for item in obj.values() for t in tensors_in(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
+    return []
+
+
+Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
+
+
+@dataclass
+class _Gather:
+    """An all-gather in flight into the unsharded buffer."""
+
+    work: collectives.Work | None
+    output: torch.Tensor
+    send: torch.Tensor  # must live until the collective completes
+
+
+@dataclass
+class _Reduction:
+    """A reduce-scatter in flight."""
+
+    work: collectives.Work | None
+    output: torch.Tensor
+    input: torch.Tensor  # must live until the collective completes
+    done: Callable[[], bool] | None
+    used_here: bool  # this rank's backward reached the unit
+
+
+class Unit:
+    """One unit: its flat shard, its unsharded buffer, its gradient, and its four hooks."""
+
+    def __init__(
+        self,
+        *,
+        root: ShardedModule,
+        name: str,
+        index: int,
+        unit_names: Sequence[str],
+        params: Sequence[torch.Tensor],
+        fqns: Sequence[str],
+        slots: Sequence[Sequence[Slot]],
+        mesh: DeviceMesh,
+        reduce_group: collectives.Group,
+        stage: Stage,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Shard ``params`` (full and already identical on every rank) over ``mesh``.
+
+        Postcondition: every slot holds the sharded parameter; the unsharded buffer is freed
+        (unless the shard lives in it).
+        """
+        self._root = root
+        self.name = name
+        self.index = index
+        self._unit_names = unit_names
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.reduce_group = reduce_group  # its own sequence: design/notes/collective-schedule.md
+        self.rank = mesh.get_local_rank()
+        self.world_size = mesh.size()
+        self.stage = stage
+        self.slots = [list(s) for s in slots]
+        self.layout = FlatLayout(fqns, params, self.world_size)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
+        self.param_dtype = param_dtype or self.dtype  # all-gather and compute
+        self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
+        self.training_state = TrainingState.IDLE
+        self._data = DataState.SHARDED  # the stored state; ``data_state`` adds staleness
+        self._grad = GradState.NONE
+        self._gather: _Gather | None = None  # while GATHERING
+        self._packed: torch.Tensor | None = None  # while PACKED
+        self._reduction: _Reduction | None = None  # while IN_FLIGHT
+        self._gathered_version = -1  # the shard's version counter when it was last gathered
+
+        layout, S = self.layout, self.layout.shard_numel
+        # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
+        # it serve as the master shard and the rows of the unsharded gradient as the sharded
+        # gradient: no second copy of either (design/notes/stages.md).
+        self.shard_in_unsharded = stage.keep_unsharded_grad and self.param_dtype == self.dtype
+        self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
+        self._sharded_storage: torch.Tensor | None = None
+        if self.shard_in_unsharded:
+            with torch.no_grad():
+                layout.fill_unsharded_from_full([p.detach() for p in params], self._padded_unsharded)
+            shard_views = layout.rank_views_of_unsharded(self._padded_unsharded, self.rank)
+            self._data = DataState.UNSHARDED
+        else:
+            # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
+            self._sharded_storage = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                layout.fill_shard_from_full([p.detach() for p in params], self._sharded_storage.narrow(0, 0, S), self.rank)
+                self._sharded_storage[S] = float(index)
+            shard_views = layout.sharded_views(self._sharded_storage.narrow(0, 0, S), self.rank)
+        self.sharded_params = [
+            nn.Parameter(view, requires_grad=slot.requires_grad) for view, slot in zip(shard_views, layout.slots)
+        ]
+        for param, slot in zip(self.sharded_params, layout.slots):
+            if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
+                param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn))
+
+        # The unsharded buffer (param_dtype) needs storage now to create the aliases; the sharded
+        # configurations free it until the first unshard.
+        n_trainable = layout.padded_trainable_numel
+        self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
+        self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
+        if layout.num_trainable:
+            self.unsharded_trainable.requires_grad_(True)
+            self.unsharded_trainable.register_hook(self._before_accumulate)
+            self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
+        if self.shard_in_unsharded:
+            self._gathered_version = self._shard_version()
+        else:
+            self._free_unsharded()
+        self._install_sharded_params()
+
+    # ---- reading the state ----------------------------------------------------------------------
+
+    @property
+    def has_trainable(self) -> bool:
+        return self.layout.num_trainable > 0
+
+    def _shard_version(self) -> int:
+        """The version counter every write into the shard bumps: the optimizer's in-place update,
+        ``load_state_dict``'s copy, ``write_shard``. It cannot be consumed by the wrong event, so
+        staleness is derived from it instead of being a flag somebody must remember to set."""
+        owner = self._sharded_storage if self._sharded_storage is not None else self._padded_unsharded
+        return owner._version
+
+    @property
+    def data_state(self) -> DataState:
+        if self._data is DataState.UNSHARDED and self._shard_version() != self._gathered_version:
+            return DataState.UNSHARDED_STALE
+        return self._data
+
+    @property
+    def grad_state(self) -> GradState:
+        return self._grad
+
+    @property
+    def needs_gather(self) -> bool:
+        """Whether ``unshard`` would start an all-gather."""
+        return self.data_state in (DataState.SHARDED, DataState.UNSHARDED_STALE)
+
+    @property
+    def grad_packed(self) -> bool:
+        return self._grad is GradState.PACKED
+
+    @property
+    def grad_settled(self) -> bool:
+        """No gradient of this unit is on its way: nothing accumulated under ``no_sync`` waits
+        to be reduced, and nothing is in flight."""
+        return self._grad in (GradState.NONE, GradState.REDUCED)
+
+    def _fail(self, what: str, found: Enum, expected: Sequence[Enum]) -> RuntimeError:
+        names = " or ".join(e.name for e in expected)
+        return RuntimeError(
+            f"rank {collectives.rank()}: unit '{self.name}' cannot {what}: its {type(found).__name__} is "
+            f"{found.name}, expected {names}. This is a shardwrap bug or a hook fired out of order; "
+            f"please report it with the code that ran"
+        )
+
+    def _expect_grad(self, what: str, *expected: GradState) -> None:
+        if self._grad not in expected:
+            raise self._fail(what, self._grad, expected)
+
+    def _expect_data(self, what: str, *expected: DataState) -> None:
+        state = self.data_state
+        if state not in expected:
+            raise self._fail(what, state, expected)
+
+    # ---- the flat shard (the surface state_dict.py and checkpoint.py read) ----------------------
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's flat shard, ``S`` elements and the tag, contiguous (the master dtype).
+
+        The storage itself for the sharded configurations; a fresh copy of the rank's rows of the
+        unsharded buffer when the shard lives there.
+        """
+        if self._sharded_storage is not None:
+            return self._sharded_storage
+        S = self.layout.shard_numel
+        out = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+        self.layout.pack_rank_rows(self._padded_unsharded, out.narrow(0, 0, S), self.rank)
+        out[S] = float(self.index)
+        return out
+
+    def write_shard(self, flat: torch.Tensor) -> None:
+        """Overwrite this rank's shard with ``flat`` (``S`` elements, shard layout). The write bumps
+        the shard's version counter, so an unsharded copy is stale afterwards."""
+        with torch.no_grad():
+            for dst, src in zip(self.sharded_params, self.layout.sharded_views(flat, self.rank)):
+                dst.copy_(src)
+
+    @property
+    def sharded_local(self) -> torch.Tensor:
+        """The flat shard without the tag (a copy when the shard lives in the unsharded buffer)."""
+        return self.read_shard().narrow(0, 0, self.layout.shard_numel)
+
+    @property
+    def sharded_flat(self) -> DTensor:
+        """The flat shard as a ``Shard(0)`` DTensor over the mesh."""
+        W, S = self.world_size, self.layout.shard_numel
+        return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=(W * S,), stride=(1,))
+
+    def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Every parameter's full value, as new tensors (one all-gather; the unit's state is
+        untouched). ``flat`` gathers another tensor laid out like the shard (``S + 1`` elements),
+        such as an optimizer state."""
+        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
+        if not layout.slots:
+            return []
+        source = self.read_shard() if flat is None else flat
+        gathered = torch.empty(W * (S + 1), dtype=source.dtype, device=self.device)
+        collectives.all_gather(gathered, source, self.group)
+        rows = gathered.view(W, S + 1)
+        fulls = []
+        for s in layout.slots:
+            block = rows.narrow(1, s.shard_offset, s.chunk_numel).reshape(W * s.rows_per_rank, s.inner)
+            fulls.append(block.narrow(0, 0, s.dim0).reshape(s.shape).clone())
+        return fulls
+
+    def _make_used_outside(self, fqn: str) -> Callable[[torch.Tensor], None]:
+        unit = self.name  # not self: a post-accumulate hook must not reference its unit (_weak)
+
+        def used_outside(param: torch.Tensor) -> None:
+            raise RuntimeError(
+                f"rank {collectives.rank()}: parameter '{fqn}' of unit '{unit}' was used outside that "
+                f"unit's forward (autograd reached its local shard). Read a unit's parameters only inside "
+                f"its own forward, or let auto_wrap_policy put the code that reads it in the same unit"
+            )
+
+        return used_outside
+
+    # ---- the four hooks -----------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: gather the parameters and point the module's slots at them.
+
+        During backward this is activation checkpointing recomputing the unit: its pre_backward
+        (or an earlier unit's recomputation) already owns the gather, and its post_backward the
+        reshard, so the recomputation only makes sure the data is there and installs fresh views
+        (design/notes/activation-checkpointing.md).
+        """
+        root = self._root
+        if root.in_backward():
+            self._gather_for_backward()
+            self._install_unsharded_views()
+            return
+        if self.index == 0:
+            root.root_pre_forward()
+        schedule = root.schedule
+        schedule.record_pre_forward(self, torch.is_grad_enabled())
+        self.training_state = TrainingState.FORWARD
+        schedule.arrived(self)
+        self.unshard()
+        ahead = schedule.forward_prefetch(self)
+        if ahead is not None:
+            ahead.unshard(async_op=True)
+        self._install_unsharded_views()
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """Forward hook: the slots get the shards back; outputs that need a gradient get the
+        pre_backward hook; stage 3 reshards."""
+        root = self._root
+        self._install_sharded_params()
+        if root.in_backward():  # a recomputation ran to the end: keep the data for backward
+            return output
+        self.training_state = TrainingState.IDLE
+        wants_grad = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if wants_grad:
+            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
+            root.schedule.record_post_forward(self)
+            root.expect_backward = True
+        if self.stage.reshard_after_forward:
+            self.reshard()
+        if self.index == 0:
+            root.root_post_forward()
+        return output
+
+    def pre_backward(self) -> None:
+        """The first gradient reached one of the unit's outputs: gather it (in schedule order)."""
+        self._root.begin_backward()
+        self._gather_for_backward()
+        self.training_state = TrainingState.BACKWARD
+
+    def _gather_for_backward(self) -> None:
+        """Gather this unit for backward after every unit the schedule puts before it, then
+        gather the next one ahead if the limit allows."""
+        schedule = self._root.schedule
+        for unit in schedule.gathers_through(self):
+            unit.unshard(async_op=unit is not self)
+            unit.training_state = TrainingState.BACKWARD
+        schedule.arrived(self)
+        self._root.apply_completed_reductions()  # before this unit's buffers are allocated
+        self.unshard()  # finishes a prefetch, or gathers a unit outside the schedule
+        self._root.prefetch_backward()
+
+    def post_backward(self) -> None:
+        """Autograd finished this unit's flat gradient for this backward (post-accumulate-grad
+        hook): pack it for the reduce-scatter, reshard, start the reduce-scatters now due."""
+        root = self._root
+        root.begin_backward()
+        self._grad_arrived()
+        if root.sync:
+            self.pack_grad()
+        self._install_sharded_params()  # a recomputation that stopped early left views installed
+        if self.stage.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        if root.sync:
+            root.start_due_reductions()
+        root.schedule.unit_backward_done()
+        root.prefetch_backward()
+
+    def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
+        self.post_backward()
+
+    # ---- data-state transitions ---------------------------------------------------------------
+
+    def unshard(self, *, async_op: bool = False) -> None:
+        """All-gather the flat shard into the unsharded buffer (ONE collective).
+
+        SHARDED or UNSHARDED_STALE -> GATHERING -> UNSHARDED. With ``async_op`` the collective
+        is only started (prefetch); the next plain ``unshard`` finishes it. UNSHARDED: nothing.
+        """
+        state = self.data_state
+        if state is DataState.GATHERING:
+            if not async_op:
+                self._finish_gather()
+            return
+        if state is DataState.UNSHARDED:
+            return
+        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
+        if not layout.slots:
+            self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
+            return
+        send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
+        gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
+        work = collectives.all_gather(gathered, send, self.group, async_op=True)
+        self._gather, self._data = _Gather(work, gathered, send), DataState.GATHERING
+        if not async_op:
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        self._expect_data("finish an all-gather", DataState.GATHERING)
+        gather = self._gather
+        assert gather is not None
+        self._gather = None
+        collectives.wait(gather.work)
+        self._check_tags(gather.output, gather.send)
+        storage = self._padded_unsharded.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded_unsharded_numel * self._padded_unsharded.element_size())
+        with torch.no_grad():
+            self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
+        self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer: -> SHARDED, unless the shard lives in the unsharded buffer
+        (stage 1), which then stays. The slots get the sharded parameters first, so no module
+        ever holds a view of freed storage."""
+        self._install_sharded_params()
+        if self.data_state is DataState.GATHERING:
+            self._finish_gather()  # a prefetch nobody used: complete it so the sequence stays paired
+        if self.shard_in_unsharded or self._data is DataState.SHARDED:
+            return
+        self._free_unsharded()
+        self._data = DataState.SHARDED
+
+    def _free_unsharded(self) -> None:
+        # Autograd may still hold views of this storage; shrinking the storage (not dropping the
+        # tensor) frees the memory and keeps those views valid for the next unshard.
+        self._padded_unsharded.untyped_storage().resize_(0)
+
+    def _check_tags(self, gathered: torch.Tensor, send: torch.Tensor) -> None:
+        """Raise if ranks gathered different units (their forwards ran different units).
+        CPU only: reading the tags would synchronize the GPU stream on every unshard."""
+        if self.device.type != "cpu":
+            return
+        S = self.layout.shard_numel
+        tags = gathered.view(self.world_size, S + 1)[:, S].tolist()
+        mine = send[S].item()
+        if any(t != mine for t in tags):
+            names = [self._unit_names[int(t)] if 0 <= int(t) < len(self._unit_names) else f"#{t}" for t in tags]
+            by_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
+            raise RuntimeError(
+                f"shardwrap: ranks disagree on which unit to all-gather ({by_rank}). Every rank must "
+                f"run the same wrapped units in the same order in forward; move data-dependent "
+                f"branches inside one unit, or run every branch on every rank."
+            )
+
+    # ---- module slots -------------------------------------------------------------------------
+
+    def _install_unsharded_views(self) -> None:
+        """Point every slot at a fresh full-shape view of the unsharded buffer (a plain tensor in
+        ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
+        self._expect_data("install unsharded views", DataState.UNSHARDED)
+        views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
+        for view, slots in zip(views, self.slots):
+            for module, attr in slots:
+                module._parameters[attr] = view
+
+    def restore_params(self) -> None:
+        """The slots hold the sharded parameters again (after a recomputation that stopped early)."""
+        self._install_sharded_params()
+
+    def _install_sharded_params(self) -> None:
+        """Point every slot back at its sharded parameter (what the optimizer and users see)."""
+        for param, slots in zip(self.sharded_params, self.slots):
+            for module, attr in slots:
+                module._parameters[attr] = param
+
+    # ---- gradient transitions -----------------------------------------------------------------
+
+    def _row_grads(self) -> list[int]:
+        """Indices of parameters whose ``p.grad`` is a view of the unsharded gradient's rows
+        (stage 1 without mixed precision; see ``finish_grad``)."""
+        leaf_grad = self.unsharded_trainable.grad
+        if leaf_grad is None:
+            return []
+        return [i for i, p in enumerate(self.sharded_params) if p.grad is not None and p.grad._base is leaf_grad]
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Tensor hook: autograd is about to add a new gradient into the unsharded gradient.
+
+        REDUCED with the shard in the unsharded buffer means the rows of that buffer still hold
+        the last reduced gradient, which ``p.grad`` may view: give those ``p.grad`` tensors of
+        their own, so they keep accumulating like plain PyTorch, and zero the buffer (-> NONE).
+        """
+        if not (self.shard_in_unsharded and self._grad is GradState.REDUCED):
+            return
+        for i in self._row_grads():
+            param = self.sharded_params[i]
+            param.grad = param.grad.clone()  # type: ignore[union-attr]
+        leaf_grad = self.unsharded_trainable.grad
+        if leaf_grad is not None:
+            leaf_grad.zero_()
+        self._grad = GradState.NONE
+
+    def _grad_arrived(self) -> None:
+        """-> ACCUMULATING. A second gradient in one backward while the first is still in flight
+        (a unit reached by two reentrant recomputations) first lands the first one."""
+        if self._grad is GradState.IN_FLIGHT:
+            self.finish_grad()
+        self._expect_grad("take a new gradient", GradState.NONE, GradState.ACCUMULATING, GradState.REDUCED, GradState.PACKED)
+        if self._grad is not GradState.PACKED:
+            self._grad = GradState.ACCUMULATING
+
+    def pack_grad(self) -> None:
+        """ACCUMULATING -> PACKED: move the unsharded gradient, rank-major and in
+        ``reduce_dtype``, into the reduce-scatter input with the used-flag set; then free it (or
+        zero it, when the stage keeps it). A PACKED unit adds the new gradient to its packed one."""
+        if self._grad is GradState.PACKED and self.unsharded_trainable.grad is None:
+            return
+        self._expect_grad("pack its gradient", GradState.ACCUMULATING, GradState.PACKED)
+        leaf = self.unsharded_trainable
+        grad = leaf.grad
+        if grad is None:  # autograd reached the unit but produced no gradient
+            self._grad = GradState.PACKED if self._packed is not None else GradState.NONE
+            return
+        layout, W = self.layout, self.world_size
+        packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.reduce_dtype, device=self.device)
+        layout.pack_for_reduce_scatter(grad.to(self.reduce_dtype), packed)
+        packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
+        if self._packed is not None:
+            packed += self._packed
+        self._packed, self._grad = packed, GradState.PACKED
+        if self.stage.keep_unsharded_grad:
+            grad.zero_()  # stage 1 keeps one unsharded gradient buffer for the whole run
+        else:
+            leaf.grad = None
+
+    def reduce_scatter_grad(self) -> None:
+        """PACKED or NONE -> IN_FLIGHT: start the reduce-scatter (asynchronous, on the reduce
+        group). A rank whose backward did not reach the unit (NONE) contributes zeros with a zero
+        used-flag, so the collective still pairs up."""
+        self._expect_grad("start its reduce-scatter", GradState.PACKED, GradState.NONE, GradState.REDUCED)
+        W, S = self.world_size, self.layout.grad_shard_numel
+        packed, used_here = self._packed, self._packed is not None
+        self._packed = None
+        if packed is None:
+            packed = torch.zeros(W * (S + 1), dtype=self.reduce_dtype, device=self.device)
+        output = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
+        work = collectives.reduce_scatter(output, packed, self.reduce_group, async_op=True)
+        self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here)
+        self._grad = GradState.IN_FLIGHT
+
+    def reduce_completed(self) -> bool:
+        """Whether the reduce-scatter in flight has finished (never blocks)."""
+        r = self._reduction
+        return r is None or r.done is None or r.done()
+
+    def finish_grad(self) -> None:
+        """IN_FLIGHT -> REDUCED: wait for the reduce-scatter, average, and add this rank's piece
+        into the sharded grads. If no rank reached the unit its gradients stay untouched
+        (``None`` stays ``None``, as in plain PyTorch)."""
+        self._expect_grad("finish its reduce-scatter", GradState.IN_FLIGHT)
+        r = self._reduction
+        assert r is not None
+        self._reduction = None
+        if isinstance(r.done, _WaiterProbe):
+            r.done.join()  # never wait on one Work from two threads at once
+        collectives.wait(r.work)  # on NCCL this orders the current stream after the collective
+        reduced, S = r.output, self.layout.grad_shard_numel
+        self._grad = GradState.REDUCED
+        if not r.used_here and reduced[S].item() == 0:
+            return
+        sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
+        _average_grad(sharded_grad, self.world_size)
+        n = self.layout.num_trainable
+        views = self.layout.sharded_views(sharded_grad, self.rank, n)
+        leaf_grad = self.unsharded_trainable.grad
+        rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if self.shard_in_unsharded and leaf_grad is not None else None
+        for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
+            if param.grad is not None:
+                param.grad += view
+            elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad
+                rows[i].copy_(view)
+                param.grad = rows[i]
+            else:
+                param.grad = view

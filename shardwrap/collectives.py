@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite every tensor with the group's first rank's, one collective per dtype (the same
     dtype order on every rank)."""
     with torch.no_grad():

@@ -128,7 +128,7 @@ def unit_sizes(shape: Shape) -> tuple[int, int]:
     """Total parameters, and the largest unit: a block, or the root (embeddings, norm, head)."""
     model = build_on_meta(shape)
     psi = sum(p.numel() for p in model.parameters())
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    blocks = [sum(p.numel() for p in b.parameters()) for b in getattr(model, "blocks")]
     return psi, max(max(blocks), psi - sum(blocks))
 
 

@@ -130,7 +130,7 @@ def _unsharded_buffers(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
         if flat is not None:
             params += [flat, getattr(flat, "_full_param_padded", None), getattr(flat, "_local_shard", None)]
             grads += [flat.grad, getattr(flat, "_saved_grad_shard", None)]
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None  # FSDP2
+        state = getattr(m, "_get_fsdp_state")() if hasattr(m, "_get_fsdp_state") else None  # FSDP2
         group = getattr(state, "_fsdp_param_group", None)
         for fp in getattr(group, "fsdp_params", None) or []:
             params += list(getattr(fp, "all_gather_outputs", None) or [])

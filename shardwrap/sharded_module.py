@@ -356,7 +356,7 @@ class ShardedModule(nn.Module):
             built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
 
-        if on_meta:  # materialize module by module; shard each unit as soon as it is complete
+        if init_device is not None:  # meta: materialize module by module, shard each unit when complete
             if self.mesh.size() > 1:
                 _share_rng_state(group, init_device)
             for i in _materialize(module, plans, init_device, param_init_fn):

@@ -30,7 +30,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 def _as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
     if slot.replicated:
-        return DTensor.from_local(local, model.mesh, [Replicate()], run_check=False, shape=(), stride=())
+        return DTensor.from_local(local, model.mesh, [Replicate()], run_check=False, shape=torch.Size(()), stride=())
     return DTensor.from_local(
         local, model.mesh, [Shard(0)], run_check=False, shape=slot.shape, stride=_contiguous_stride(slot.shape)
     )
@@ -139,10 +139,10 @@ def full_state_dict(model: "ShardedModule", rank0_only: bool, cpu_offload: bool)
         return {}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.module.state_dict(keep_vars=True).items():
-        full = full_by_id.get(id(value))
-        if full is None:
-            full = value.detach().cpu().clone() if cpu_offload else value.detach().clone()
-        out[key] = full
+        gathered = full_by_id.get(id(value))
+        if gathered is None:  # a buffer
+            gathered = value.detach().cpu().clone() if cpu_offload else value.detach().clone()
+        out[key] = gathered
     return out
 
 

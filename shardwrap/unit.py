@@ -75,7 +75,7 @@ class _WaiterProbe:
     """
 
     def __init__(self, work: collectives.Work) -> None:
-        self._done: Future[None] = _WAITER.submit(work.wait)
+        self._done: Future[object] = _WAITER.submit(work.wait)
 
     def __call__(self) -> bool:
         return self._done.done()
@@ -344,7 +344,7 @@ class Unit:
     def sharded_flat(self) -> DTensor:
         """The flat shard as a ``Shard(0)`` DTensor over the mesh."""
         W, S = self.world_size, self.layout.shard_numel
-        return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=(W * S,), stride=(1,))
+        return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=torch.Size((W * S,)), stride=(1,))
 
     def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full value, as new tensors (one all-gather; the unit's state is
@@ -542,7 +542,7 @@ class Unit:
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
-                module._parameters[attr] = view
+                module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
 
     def restore_params(self) -> None:
         """The slots hold the sharded parameters again (after a recomputation that stopped early)."""

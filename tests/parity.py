@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,8 +154,83 @@ def train_reference(case: Case, *, mixed_precision: str | None = "case") -> tupl
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
-def train_sharded(case: Case) -> dict[str, Any]:
-    """Runs on every rank: the wrapped model on this rank's chunk of each global batch."""
+# ---- mutations: deliberate bugs the oracle must catch (tests/test_oracle.py) ---------------------
+
+# Modules that may define the gradient average: shardwrap.unit after the core rewrite, shardwrap.handle
+# before it.
+AVERAGE_GRAD_MODULES = ("shardwrap.unit", "shardwrap.handle")
+
+
+def _sum_instead_of_average(summed: torch.Tensor, world_size: int) -> None:
+    """The bug AdamW cannot see: gradients W times too large."""
+
+
+def _average_twice(summed: torch.Tensor, world_size: int) -> None:
+    """Gradients W times too small."""
+    summed.div_(world_size * world_size)
+
+
+MUTATIONS = {"sum": _sum_instead_of_average, "average_twice": _average_twice}
+
+
+def modules_with_average_grad() -> list[Any]:
+    """Every module in ``AVERAGE_GRAD_MODULES`` that exists and has a global ``_average_grad``
+    (the one defining it, and any that imported it by name: each call site looks it up in its own
+    module's globals)."""
+    found = []
+    for name in AVERAGE_GRAD_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None:
+            module = importlib.import_module(name)
+            if callable(getattr(module, "_average_grad", None)):
+                found.append(module)
+    if not found:
+        raise LookupError(f"no module among {AVERAGE_GRAD_MODULES} defines _average_grad; update parity.AVERAGE_GRAD_MODULES")
+    return found
+
+
+@contextlib.contextmanager
+def mutated(mutation: str | None) -> Iterator[list[int]]:
+    """Within the block, shardwrap's ``_average_grad`` is replaced by ``MUTATIONS[mutation]``;
+    restored afterwards, whatever happens (worker processes are reused by later tests). Yields a
+    one-element list counting the calls, so a caller can tell that the mutation was reached."""
+    calls = [0]
+    if mutation is None:
+        yield calls
+        return
+    bug = MUTATIONS[mutation]
+
+    def counted(summed: torch.Tensor, world_size: int) -> None:
+        calls[0] += 1
+        bug(summed, world_size)
+
+    modules = modules_with_average_grad()
+    originals = [(m, m._average_grad) for m in modules]
+    try:
+        for m in modules:
+            m._average_grad = counted
+        yield calls
+    finally:
+        for m, original in originals:
+            m._average_grad = original
+
+
+def train_sharded(case: Case, mutation: str | None = None) -> dict[str, Any]:
+    """Runs on every rank: the wrapped model on this rank's chunk of each global batch.
+
+    ``mutation`` (a key of ``MUTATIONS``) trains with that bug planted in shardwrap; the result then
+    also holds ``"mutation_calls"``, how often the planted function ran on this rank."""
+    with mutated(mutation) as calls:
+        result = _train_sharded(case)
+    if mutation is not None:
+        result["mutation_calls"] = calls[0]
+    return result
+
+
+def _train_sharded(case: Case) -> dict[str, Any]:
     from shardwrap import MixedPrecision, ShardedModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -224,9 +302,20 @@ def assert_close_params(
     assert share <= allowed or diff.numel() < 50 and share <= 0.5, f"{what}: {share:.1%} of elements differ"
 
 
+Reference = tuple[dict[str, torch.Tensor], list[float], list[float]]  # what train_reference returns
+
+
 def check_parity(case: Case, world_size: int) -> list[dict[str, Any]]:
-    expected, ref_losses, ref_norms = train_reference(case)
+    reference = train_reference(case)
     results = run_on_ranks(world_size, train_sharded, case)
+    compare(case, world_size, results, reference)
+    return results
+
+
+def compare(case: Case, world_size: int, results: list[dict[str, Any]], reference: Reference | None = None) -> None:
+    """The assertions of ``check_parity`` on ``train_sharded``'s per-rank ``results``, against
+    ``reference`` (``train_reference(case)``, trained here when not given)."""
+    expected, ref_losses, ref_norms = train_reference(case) if reference is None else reference
     full = results[0]["full"]
     mp = case.mixed_precision
     assert list(full) == list(expected), "full_state_dict keys differ from the unwrapped model's"
@@ -254,4 +343,3 @@ def check_parity(case: Case, world_size: int) -> list[dict[str, Any]]:
         ref = max((expected[k] - v).abs().max().item() for k, v in fp32.items() if v.is_floating_point())
         noise = LR[case.optim] * torch.finfo(DTYPES[mp]).eps * case.steps  # one rounding per step
         assert ours <= 2 * ref + noise, f"{mp} drift from fp32: ours {ours:.3g} vs reference {ref:.3g}"
-    return results

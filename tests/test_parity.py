@@ -41,12 +41,19 @@ def test_gradient_accumulation_across_backward_calls(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_lora_frozen_and_trainable_in_one_unit(world_size):
-    check_parity(Case("lora", policy={__import__("models").LoRALinear}, optim="adamw"), world_size)
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_lora_frozen_and_trainable_in_one_unit(optim, world_size):
+    check_parity(Case("lora", policy={__import__("models").LoRALinear}, optim=optim), world_size)
 
 
 def test_many_steps_adamw_gpt2():
     check_parity(Case("gpt2", {"n_layer": 3}, policy="GPT2Block", optim="adamw", data="lm", seq=8, steps=5), 2)
+
+
+def test_many_steps_sgd_gpt2():
+    # The SGD twin of the AdamW run above: AdamW is scale-invariant and hides a gradient off by a
+    # constant factor (e.g. summed instead of averaged over ranks); SGD with momentum does not.
+    check_parity(Case("gpt2", {"n_layer": 3}, policy="GPT2Block", optim="sgd", data="lm", seq=8, steps=5), 2)
 
 
 def test_size_policy():

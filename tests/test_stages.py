@@ -208,6 +208,7 @@ def on_ranks_stage_memory_and_bytes(stage: int) -> dict:
         "psi": sum(p.numel() for p in build_model(big).parameters()),
         "padded": sum(h.layout.shard_numel + 1 for h in model.units) * world,  # padded Psi, tags included
         "largest_unit": max(h.layout.padded_unsharded_numel for h in model.units),
+        "layouts": [(h.layout.shard_numel, h.layout.grad_shard_numel, h.has_trainable) for h in model.units],
     }
 
 
@@ -233,6 +234,14 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         one_pass = psi * (W - 1) / W
         assert one_pass * passes <= sent_ag <= (psi + pad) * (W - 1) / W * passes, (stage, sent_ag, one_pass)
         assert one_pass <= sent_rs <= (psi + pad) * (W - 1) / W, (stage, sent_rs, one_pass)
+        # Every byte of a step, from the layouts: each unit's all-gathers (its shard and the tag, in
+        # fp32: twice in stage 3, once otherwise), its reduce-scatter (W rows of its gradient shard
+        # and the used-flag), and one int64 count exchange beside each unit backward gathers.
+        gathers = 2 if stage == 3 else 1
+        expected = sum(4 * (S + 1) * gathers + (4 * W * (G + 1) if trainable else 0) for S, G, trainable in r["layouts"])
+        expected += 8 * len(r["layouts"])
+        assert c["bytes"] == expected, (stage, c, expected)
+        assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "bytes"}, c
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -406,9 +406,9 @@ class Unit:
         """Forward hook: the slots get the shards back; outputs that need a gradient get the
         pre_backward hook; stage 3 reshards."""
         root = self._root
-        self._install_sharded_params()
-        if root.in_backward():  # a recomputation ran to the end: keep the data for backward
+        if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
             return output
+        self._install_sharded_params()
         self.training_state = TrainingState.IDLE
         wants_grad = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if wants_grad:
@@ -422,9 +422,14 @@ class Unit:
         return output
 
     def pre_backward(self) -> None:
-        """The first gradient reached one of the unit's outputs: gather it (in schedule order)."""
+        """The first gradient reached one of the unit's outputs: gather it (in schedule order) and
+        point the slots at it until post_backward. A recomputation that runs ``forward`` without
+        the module's hooks (HF checkpoints ``forward``, not ``__call__``) then reads full
+        parameters, as it read them in the first forward."""
         self._root.begin_backward()
         self._gather_for_backward()
+        with torch.enable_grad():  # backward runs without grad mode; the recomputation needs views autograd can follow to the leaf
+            self._install_unsharded_views()
         self.training_state = TrainingState.BACKWARD
 
     def _gather_for_backward(self) -> None:

@@ -392,3 +392,62 @@ class ReachesIntoUnit(Scaled):
 
 def scaled(dim: int = 16) -> nn.Module:
     return Scaled(dim)
+
+
+# ---- activation checkpointing (tests/test_activation_checkpointing.py) ---------------------------
+
+
+class CheckpointedMLP(MLP):
+    """``MLP`` whose forward runs each Block through ``torch.utils.checkpoint.checkpoint`` while
+    training: ``checkpoint`` is None (plain), "reentrant" or "non_reentrant"."""
+
+    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None) -> None:
+        super().__init__(dim, depth, out)
+        if checkpoint not in (None, "reentrant", "non_reentrant"):
+            raise ValueError(f"checkpoint={checkpoint!r}")
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            if self.checkpoint is not None and self.training:
+                x = checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None) -> nn.Module:
+    return CheckpointedMLP(dim, depth, out, checkpoint)
+
+
+def is_block(module: nn.Module) -> bool:
+    return isinstance(module, Block)
+
+
+def apply_block_checkpointing(model: nn.Module) -> nn.Module:
+    """torch's ``apply_activation_checkpointing`` (default: non-reentrant ``CheckpointWrapper``) on
+    every ``Block``: each Block moves under ``<name>._checkpoint_wrapped_module``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=is_block)
+    return model
+
+
+def mlp_checkpoint_wrapped(dim: int = 16, depth: int = 3, out: int = 5) -> nn.Module:
+    """``mlp`` with ``apply_block_checkpointing`` applied."""
+    return apply_block_checkpointing(MLP(dim, depth, out))
+
+
+def gpt2_checkpointed(checkpoint_kwargs: dict | None = None, **gpt2_kwargs: Any) -> nn.Module:
+    """``gpt2`` with HF's ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``
+    (None: HF's default)."""
+    import warnings
+
+    model = gpt2(**gpt2_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the alias of activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    return model

@@ -1,0 +1,254 @@
+"""Activation checkpointing in every stage, against the unwrapped model trained with the same
+checkpointing (design/notes/activation-checkpointing.md).
+
+Variants:
+  fn_non_reentrant / fn_reentrant   the model's forward calls torch.utils.checkpoint.checkpoint
+                                    on each Block (``models.checkpointed_mlp``)
+  wrapper_before / wrapper_after    torch's apply_activation_checkpointing on the Blocks, before or
+                                    after wrapping with ShardedModule (``models.mlp_checkpoint_wrapped``)
+  hf_default / hf_reentrant / hf_non_reentrant
+                                    HF GPT-2 with gradient_checkpointing_enable() (kwargs None,
+                                    use_reentrant True, use_reentrant False)
+  none / hf_none                    no checkpointing: sanity for this file's own reading of the
+                                    parameters
+
+After the steps every parameter is read on every rank -- its local shards, ``state_dict()``
+(each DTensor's ``full_tensor()``), ``full_state_dict(rank0_only=False)`` -- and an evaluation
+loss is taken; all must equal the reference's. A rank worker that dies (SIGSEGV) or hangs becomes
+a ``RankTimeout`` failure (``harness.run_on_ranks``, ``timeout=TIMEOUT``), and the pool of worker
+processes is replaced for the next test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from harness import run_on_ranks
+from parity import (
+    Case,
+    assert_close_params,
+    build_model,
+    build_optimizer,
+    expected_chunk,
+    global_batch,
+    loss_fn,
+    resolve_policy,
+    train_reference,
+)
+
+WORLD = 2
+TIMEOUT = 120  # seconds: a dead or hung rank fails the test instead of freezing the suite
+EVAL_STEP = 10_000  # the evaluation batch comes from a step no training batch uses
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # what CheckpointWrapper inserts into parameter names
+
+_MLP = {"dim": 16, "depth": 3}
+_GPT2 = {"n_layer": 2, "n_embd": 32}
+
+# variant -> (build of the reference (and of the ranks, except wrapper_after: see sharded_build), build_kwargs, policy, data)
+VARIANTS = {
+    "none": ("checkpointed_mlp", {**_MLP, "checkpoint": None}, "Block", "regression"),
+    "fn_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
+    "fn_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
+    "wrapper_before": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
+    "wrapper_after": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
+    "hf_none": ("gpt2", _GPT2, "GPT2Block", "lm"),
+    "hf_default": ("gpt2_checkpointed", {**_GPT2, "checkpoint_kwargs": None}, "GPT2Block", "lm"),
+    "hf_reentrant": ("gpt2_checkpointed", {**_GPT2, "checkpoint_kwargs": {"use_reentrant": True}}, "GPT2Block", "lm"),
+    "hf_non_reentrant": ("gpt2_checkpointed", {**_GPT2, "checkpoint_kwargs": {"use_reentrant": False}}, "GPT2Block", "lm"),
+}
+CHECKPOINTED = [v for v in VARIANTS if v not in ("none", "hf_none")]
+
+
+def make_case(variant: str, stage: int, **kwargs) -> Case:
+    build, build_kwargs, policy, data = VARIANTS[variant]
+    return Case(build, dict(build_kwargs), policy=policy, data=data, seq=8 if data == "lm" else 0, stage=stage, **kwargs)
+
+
+def sharded_build(variant: str, case: Case) -> Case:
+    """What the ranks build: for ``wrapper_after`` the plain MLP, checkpointed after wrapping."""
+    return dataclasses.replace(case, build="mlp") if variant == "wrapper_after" else case
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's name in ``state_dict()``: CheckpointWrapper's state-dict hook drops its prefix."""
+    return name.replace(CHECKPOINT_PREFIX, "")
+
+
+def eval_batch(case: Case, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(world)[rank] for k, v in global_batch(case, EVAL_STEP).items()}
+
+
+def evaluate(case: Case, model: torch.nn.Module, rank: int = 0, world: int = 1) -> float:
+    model.eval()
+    try:
+        with torch.no_grad():
+            return loss_fn(case, model, eval_batch(case, rank, world)).item()
+    finally:
+        model.train()
+
+
+def count_unit_forwards(model: torch.nn.Module, case: Case) -> list[int]:
+    """Count calls of each unit module's first child (a forward pre-hook: it fires in a
+    recomputation too, even one that non-reentrant checkpointing stops early). With checkpointing
+    every unit runs twice per step: in forward and recomputed in backward."""
+    calls = [0]
+
+    def count(module: torch.nn.Module, args: object) -> None:
+        calls[0] += 1
+
+    for module in model.modules():
+        if isinstance(module, tuple(resolve_policy(case))):
+            next(iter(module.children())).register_forward_pre_hook(count)
+    return calls
+
+
+def unit_forwards_per_step(case: Case) -> int:
+    """The unwrapped model's unit calls in one forward and backward (on the global batch)."""
+    model = build_model(case)
+    calls = count_unit_forwards(model, case)
+    loss_fn(case, model, global_batch(case, 0)).backward()
+    return calls[0]
+
+
+def train_and_read(case: Case, apply_after: bool) -> dict:
+    """Runs on every rank: train ``case.steps`` steps on this rank's chunk, then read every
+    parameter three ways and take the evaluation loss."""
+    from torch.distributed.tensor import DTensor
+
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage, max_unsharded=case.max_unsharded)
+    policy_classes = tuple(resolve_policy(case))
+    unit_names = sorted(u.name for u in model.units[1:])  # pre-order: the root unit first
+    policy_modules = sorted(n for n, m in model.named_modules() if isinstance(m, policy_classes))
+    if apply_after:
+        models.apply_block_checkpointing(model)
+    calls = count_unit_forwards(model, case)
+    opt = build_optimizer(case, model)
+    losses, norms = [], []
+    for step in range(case.steps):
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        loss = loss_fn(case, model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        if case.clip is not None:
+            norms.append(model.clip_grad_norm_(case.clip, case.norm_type).item())
+        opt.step()
+        opt.zero_grad(set_to_none=case.set_to_none)
+    unit_forwards = calls[0]
+    local = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {state_dict_name(n) for n, _ in model.named_buffers()}
+    sharded, not_dtensor = {}, []
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        elif key not in buffers:
+            not_dtensor.append(key)
+        sharded[key] = value.detach().clone()
+    full = model.full_state_dict(rank0_only=False)
+    return {
+        "unit_names": unit_names,
+        "unit_forwards": unit_forwards,
+        "policy_modules": policy_modules,
+        "local": local,
+        "sharded": sharded,
+        "not_dtensor": not_dtensor,
+        "full": full,
+        "losses": losses,
+        "norms": norms,
+        "eval": evaluate(case, model, rank, world),
+    }
+
+
+def reference(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float], list[float], float]:
+    """The unwrapped model with the same checkpointing, trained in one process on the whole global
+    batch: (state dict, named parameters, losses, norms, evaluation loss)."""
+    state, losses, norms = train_reference(case)
+    model = build_model(case)
+    model.load_state_dict(state)
+    named = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return state, named, losses, norms, evaluate(case, model)
+
+
+def check(variant: str, case: Case) -> None:
+    expected, named, ref_losses, ref_norms, ref_eval = reference(case)
+    results = run_on_ranks(WORLD, train_and_read, sharded_build(variant, case), variant == "wrapper_after", timeout=TIMEOUT)
+    forwards = case.steps * unit_forwards_per_step(case)
+    what = lambda rank, kind, name: f"rank {rank} {kind} '{name}'"  # noqa: E731
+    for rank, r in enumerate(results):
+        assert r["unit_forwards"] == forwards, f"rank {rank}: units ran {r['unit_forwards']} times in training, reference {forwards}"
+        assert r["unit_names"] == r["policy_modules"], f"rank {rank}: units {r['unit_names']} != policy modules {r['policy_modules']}"
+        # Local shards: torch.chunk of the reference, under the names named_parameters() gives.
+        assert sorted(r["local"]) == sorted(named), f"rank {rank}: named_parameters() names differ from the reference's"
+        for name, value in r["local"].items():
+            chunk = expected_chunk(named[name], WORLD, rank)
+            assert_close_params(value, chunk, case.optim, case.steps, what(rank, "local shard", name))
+        assert r["not_dtensor"] == [], f"rank {rank}: state_dict() gave plain tensors for parameters {r['not_dtensor']}"
+        for kind in ("sharded", "full"):
+            got = r[kind]
+            assert list(got) == list(expected), f"rank {rank} {kind} state dict keys {list(got)} != reference {list(expected)}"
+            for name, value in expected.items():
+                assert got[name].dtype == value.dtype, what(rank, kind, name) + f": dtype {got[name].dtype} != {value.dtype}"
+                assert_close_params(got[name], value, case.optim, case.steps, what(rank, kind, name))
+    tol = 1e-4
+    for step, ref in enumerate(ref_losses):
+        mean = sum(r["losses"][step] for r in results) / WORLD
+        assert abs(mean - ref) <= tol * max(1.0, abs(ref)), f"loss at step {step}: {mean} vs reference {ref}"
+    for rank, r in enumerate(results):
+        assert len(r["norms"]) == len(ref_norms)
+        for step, (ours, ref) in enumerate(zip(r["norms"], ref_norms)):
+            assert abs(ours - ref) <= 1e-5 * max(1.0, ref), f"rank {rank} clip_grad_norm_ at step {step}: {ours} vs reference {ref}"
+    mean_eval = sum(r["eval"] for r in results) / WORLD
+    assert abs(mean_eval - ref_eval) <= tol * max(1.0, abs(ref_eval)), f"evaluation loss {mean_eval} vs reference {ref_eval}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpointing_sgd(stage, variant):
+    check(variant, make_case(variant, stage, optim="sgd"))
+
+
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpointing_adamw(stage, variant):
+    check(variant, make_case(variant, stage, optim="adamw"))
+
+
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "fn_reentrant", "hf_default"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpointing_with_clip_grad_norm(stage, variant):
+    """clip_grad_norm_ each step (max_norm small enough that every step clips): the returned norm
+    equals torch.nn.utils.clip_grad_norm_ on the reference."""
+    case = make_case(variant, stage, optim="sgd", clip=0.05)
+    norms = train_reference(case)[2]
+    assert min(norms) > case.clip, f"max_norm {case.clip} clips no step (norms {norms})"
+    check(variant, case)
+
+
+def test_reference_checkpointing_recomputes_and_changes_nothing():
+    """The oracle's premise, in one process: every checkpointing variant recomputes each unit once
+    in backward, and leaves the unwrapped model's training numbers unchanged (so a failure above
+    is shardwrap's, not the reference's)."""
+    for variant in VARIANTS:
+        case = make_case(variant, 3)
+        units = 2 if case.data == "lm" else 3
+        runs = 1 if variant in ("none", "hf_none") else 2
+        assert unit_forwards_per_step(case) == runs * units, variant
+    plain = train_reference(make_case("none", 3))[0]
+    for variant in ("fn_non_reentrant", "fn_reentrant", "wrapper_before"):
+        got = train_reference(make_case(variant, 3))[0]
+        assert list(got) == list(plain), variant
+        for name, value in plain.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{variant} '{name}': {m}")
+    hf_plain = train_reference(make_case("hf_none", 3))[0]
+    for variant in ("hf_default", "hf_reentrant"):
+        got = train_reference(make_case(variant, 3))[0]
+        assert list(got) == list(hf_plain), variant
+        for name, value in hf_plain.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{variant} '{name}': {m}")

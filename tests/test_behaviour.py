@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import models
 from harness import run_on_ranks
-from parity import Case, build_model, global_batch, resolve_policy
+from parity import Case, build_model, check_parity, global_batch, resolve_policy
 
 
 def wrap(case: Case, **kwargs):
@@ -470,3 +470,49 @@ def test_slow_reduce_scatters_with_graphs_that_differ_neither_hang_nor_desync(ma
     full = run_on_ranks(world, on_ranks_slow_reductions, True, steps, max_unsharded, timeout=60)[0]["state"]
     for k, v in expected.items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# ---- checked transitions -------------------------------------------------------------------------
+
+
+def on_ranks_wrong_transitions() -> list[str]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(8, 2), auto_wrap_policy={models.Block})
+    unit = model.units[1]
+    messages = []
+    for wrong in (unit.finish_grad, unit.pack_grad, unit._install_unsharded_views):
+        try:
+            wrong()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    # the unit is still usable: a step trains as usual
+    model(torch.randn(4, 8)).sum().backward()
+    messages.append(str(all(p.grad is not None for p in model.parameters())))
+    return messages
+
+
+def test_a_wrong_transition_names_rank_unit_and_states():
+    for rank, messages in enumerate(run_on_ranks(2, on_ranks_wrong_transitions)):
+        finish, pack, views, trained = messages
+        assert f"rank {rank}: unit 'blocks.0' cannot finish its reduce-scatter" in finish
+        assert "GradState is NONE, expected IN_FLIGHT" in finish
+        assert "GradState is NONE, expected ACCUMULATING or PACKED" in pack
+        assert "DataState is SHARDED, expected UNSHARDED" in views
+        assert trained == "True"
+
+
+def test_stage_switches_are_checked_and_usable_directly():
+    from shardwrap import Stage
+
+    assert Stage.of(1) == Stage(False, False, keep_unsharded_grad=True)
+    assert Stage.of(3) == Stage(True, True)
+    with pytest.raises(ValueError, match="reshard_after_backward=False"):
+        Stage(reshard_after_forward=True, reshard_after_backward=False)
+    with pytest.raises(ValueError, match="keep_unsharded_grad=True"):
+        Stage(False, True, keep_unsharded_grad=True)
+    with pytest.raises(ValueError, match="stage=4"):
+        Stage.of(4)
+    # Stage 2 that keeps its parameters unsharded between steps: parity with one process.
+    check_parity(Case("mlp", {"dim": 16, "depth": 3}, policy="Block", stage=Stage(False, False)), 2)

@@ -123,7 +123,7 @@ def _unsharded_buffers(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
     params: list[Any] = []
     grads: list[Any] = []
     for h in getattr(model, "units", None) or []:  # shardwrap
-        params.append(h._padded_unsharded)
+        params.append(h.unsharded_buffer)
         grads.append(h.unsharded_trainable.grad)
     for m in model.modules():
         flat = getattr(getattr(m, "_handle", None), "flat_param", None)  # FSDP1

@@ -277,6 +277,11 @@ class Unit:
         return self._data
 
     @property
+    def unsharded_buffer(self) -> torch.Tensor:
+        """The padded parameter-major unsharded buffer (its storage has 0 bytes while SHARDED)."""
+        return self._padded_unsharded
+
+    @property
     def grad_state(self) -> GradState:
         return self._grad
 

@@ -113,7 +113,7 @@ def on_ranks_forward_only(case: Case) -> dict:
     for _ in range(5):
         model(x)  # grad-enabled forwards with no backward: nothing may stay unsharded
     states = [h.data_state is DataState.SHARDED for h in model.units]
-    unsharded_bytes = sum(h._padded_unsharded.untyped_storage().nbytes() for h in model.units)
+    unsharded_bytes = sum(h.unsharded_buffer.untyped_storage().nbytes() for h in model.units)
     # Then a normal step still works.
     model(x).pow(2).mean().backward()
     grads = all(p.grad is not None for p in model.parameters())
@@ -252,7 +252,7 @@ def on_ranks_memory(case: Case) -> dict:
         "params": storage_bytes(params),
         "grads": storage_bytes(grads),
         "optim": storage_bytes(states),
-        "unsharded": sum(h._padded_unsharded.untyped_storage().nbytes() for h in model.units),
+        "unsharded": sum(h.unsharded_buffer.untyped_storage().nbytes() for h in model.units),
         "padding": sum(h.layout.shard_numel + 1 for h in model.units),
         "psi": sum(p.numel() for p in build_model(case).parameters()),
     }

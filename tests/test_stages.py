@@ -170,7 +170,7 @@ def test_backward_prefetches_only_after_the_first_unit_finished_its_backward():
 
 
 def model_state_bytes(model, opt) -> int:
-    tensors = list(model.parameters()) + [h._padded_unsharded for h in model.units]
+    tensors = list(model.parameters()) + [h.unsharded_buffer for h in model.units]
     tensors += [h.unsharded_trainable.grad for h in model.units]
     tensors += [p.grad for p in model.parameters()]
     tensors += [v for s in opt.state.values() for k, v in s.items() if k != "step"]

@@ -25,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.unit import local_of
 
 # ---- defaults ---------------------------------------------------------------------------------
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,7 +134,8 @@ def model_state_mib() -> float:
     """This rank's parameter, gradient and optimizer-state storage, in MiB."""
     tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    locals_ = [local_of(t) for t in tensors]  # parameters, gradients and states are DTensors
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in locals_}
     return sum(storages.values()) / 2**20
 
 

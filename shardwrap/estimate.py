@@ -102,6 +102,7 @@ def formula(psi: int, unit: int, world: int, precision: str) -> dict[int, dict[s
 
 def simulate(shape: Shape, world: int, precision: str) -> dict[str, float]:
     from shardwrap import ShardedModule, collectives
+    from shardwrap.unit import local_of
 
     collectives.init_fake_world(world)
     t0 = time.perf_counter()
@@ -112,7 +113,7 @@ def simulate(shape: Shape, world: int, precision: str) -> dict[str, float]:
     seconds = time.perf_counter() - t0
     psi = sum(s.dim0 * s.inner for h in model.units for s in h.layout.slots)
     shard_elems = sum(h.layout.shard_numel for h in model.units)
-    local_elems = sum(p.numel() for p in model.parameters())
+    local_elems = sum(local_of(p).numel() for p in model.parameters())
     return {
         "psi": psi,
         "units": len(model.units),

@@ -62,6 +62,15 @@ class ParamSlot:
     def sharded_shape(self, rank: int) -> tuple[int, ...]:
         return () if self.replicated else (self.local_rows(rank), *self.shape[1:])
 
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """The contiguous stride of the full parameter (what its DTensor reports)."""
+        stride, running = [], 1
+        for size in reversed(self.shape):
+            stride.append(running)
+            running *= max(size, 1)
+        return tuple(reversed(stride))
+
 
 class FlatLayout:
     """Offsets and sizes of one unit's flat parameter for a given world size.

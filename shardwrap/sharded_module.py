@@ -25,7 +25,7 @@ from shardwrap import collectives, state_dict
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
-from shardwrap.unit import GradState, Slot, TrainingState, Unit
+from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of
 from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -401,7 +401,18 @@ class ShardedModule(nn.Module):
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:  # compute runs in param_dtype from the first layer on
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            if "mixed torch.Tensor and DTensor" not in str(exc):
+                raise
+            running = [u.name for u in self._units if u.training_state is TrainingState.FORWARD]
+            raise RuntimeError(
+                f"rank {collectives.rank()}: a sharded parameter (a DTensor) was used outside its unit's "
+                f"forward, while unit '{running[-1] if running else '<root>'}' ran. A unit's parameters are "
+                f"full tensors only inside that unit's forward: read them there, or let auto_wrap_policy put "
+                f"the code that reads them in the same unit ({exc})"
+            ) from exc
 
     @property
     def units(self) -> list[Unit]:
@@ -533,7 +544,8 @@ class ShardedModule(nn.Module):
             )
         norm_type = float(norm_type)
         group = self.mesh.get_group()
-        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
+        locals_ = [local_of(p.grad) for p in self.parameters() if p.grad is not None]
+        grads = [g for g in locals_ if g.numel() > 0]
         first = self.mesh.get_local_rank() == 0
         counted = [g for g in grads if g.dim() > 0 or first]  # 0-dim parameters are replicated: count once
         device = self._units[0].device

@@ -14,26 +14,18 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwrap import collectives
 from shardwrap.flat_param import ParamSlot
+from shardwrap.unit import local_of
 
 if TYPE_CHECKING:
     from shardwrap.unit import Unit
     from shardwrap.sharded_module import ShardedModule
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def _as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
-    if slot.replicated:
-        return DTensor.from_local(local, model.mesh, [Replicate()], run_check=False, shape=torch.Size(()), stride=())
-    return DTensor.from_local(
-        local, model.mesh, [Shard(0)], run_check=False, shape=slot.shape, stride=_contiguous_stride(slot.shape)
-    )
+def _is_param_state(key: str, value: Any, slot: ParamSlot) -> bool:
+    """Whether an optimizer state entry is laid out like its parameter (momentum, Adam's moments),
+    and so sharded like it. ``step`` is the one scalar torch's optimizers keep per parameter;
+    torch's own ``Optimizer.load_state_dict`` singles it out the same way."""
+    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(slot.shape)
 
 
 def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor:
@@ -88,9 +80,7 @@ def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool
         if found is None:
             out[key] = value if keep_vars else value.detach()
         else:
-            handle, i = found
-            local = handle.sharded_params[i]
-            out[key] = _as_dtensor(local if keep_vars else local.detach(), handle.layout.slots[i], model)
+            out[key] = value if keep_vars else value.detach()  # a DTensor over a view of the shard
     return out
 
 
@@ -107,20 +97,23 @@ def load_sharded_or_full(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     expected = _expected_shapes(model)
     _raise_problems("load_state_dict", _problems(sd, expected, strict))
     rank = model.mesh.get_local_rank()
-    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    params: list[tuple["Unit", int, torch.Tensor]] = []
     for key, target in model.module.state_dict(keep_vars=True).items():
         if key not in sd:
             continue
         found = model.unit_of(target)
         if found is None:
             value = sd[key].full_tensor() if isinstance(sd[key], DTensor) else sd[key]
-            writes.append((target, value))
+            buffers.append((target, value))
         else:
-            handle, i = found
-            writes.append((handle.sharded_params[i], _local_chunk(sd[key], handle.layout.slots[i], rank)))
-    with torch.no_grad():
-        for target, value in writes:  # everything validated and converted: now write
-            target.copy_(value)  # bumps the shard's version: an unsharded copy is stale (unit.py)
+            unit, i = found
+            params.append((unit, i, _local_chunk(sd[key], unit.layout.slots[i], rank)))
+    with torch.no_grad():  # everything validated and converted: now write
+        for target, value in buffers:
+            target.copy_(value)
+    for unit, i, value in params:
+        unit.write_param(i, value)  # an unsharded copy is stale afterwards (unit.py)
     return [k for k in expected if k not in sd], [k for k in sd if k not in expected]
 
 
@@ -233,15 +226,16 @@ def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, ra
                 value = opt.state.get(p, {}).get(key)
                 if _is_sharded_state(value, p):
                     slot = handle.layout.slots[i]
-                    flat.narrow(0, slot.shard_offset, value.numel()).copy_(value.reshape(-1))
+                    local = local_of(value)
+                    flat.narrow(0, slot.shard_offset, local.numel()).copy_(local.reshape(-1))
                     owners.append((i, p, value.dtype))
             gathered = handle.gather_full(flat)
             for i, p, dtype in owners:
                 fulls[(index_of[id(p)], key)] = gathered[i].to(dtype).cpu()
     if not keep:
         return {}
-    state = {
-        idx: {k: fulls.get((idx, k), v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+    state = {  # what is left besides the gathered states is replicated: its local value is the full one
+        idx: {k: fulls.get((idx, k), local_of(v).cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
         for idx, entry in osd["state"].items()
     }
     return {"state": state, "param_groups": osd["param_groups"]}
@@ -259,7 +253,7 @@ def load_full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimize
         handle, i = _slot_of(model, params[int(idx)])
         slot = handle.layout.slots[i]
         state[int(idx)] = {
-            k: _local_chunk(v, slot, rank).clone() if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(slot.shape) else v
+            k: handle.as_dtensor(_local_chunk(v, slot, rank).clone(), slot) if _is_param_state(k, v, slot) else v
             for k, v in entry.items()
         }
     opt.load_state_dict({"state": state, "param_groups": osd["param_groups"]})
@@ -292,13 +286,7 @@ def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer)
     for p in params:
         handle, i = _slot_of(model, p)
         fqns.append(handle.layout.slots[i].fqn)
-    state = {}
-    for idx, entry in osd["state"].items():
-        handle, i = _slot_of(model, params[idx])
-        slot = handle.layout.slots[i]
-        state[fqns[idx]] = {
-            k: _as_dtensor(v, slot, model) if _is_sharded_state(v, params[idx]) else v for k, v in entry.items()
-        }
+    state = {fqns[idx]: dict(entry) for idx, entry in osd["state"].items()}  # DTensor states, as the optimizer keeps them
     groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
@@ -327,8 +315,9 @@ def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optim
     state = {}
     for name, entry in osd["state"].items():
         i, slot = index[name]
+        unit = _slot_of(model, params[i])[0]
         state[i] = {
-            k: _local_chunk(v, slot, rank).clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            k: unit.as_dtensor(_local_chunk(v, slot, rank).clone(), slot) if _is_param_state(k, v, slot) else v
             for k, v in entry.items()
         }
     groups = [{**g, "params": [index[n][0] for n in g["params"]]} for g in osd["param_groups"]]

@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwrap import collectives
-from shardwrap.flat_param import FlatLayout
+from shardwrap.flat_param import FlatLayout, ParamSlot
 from shardwrap.stage import Stage
 
 if TYPE_CHECKING:
@@ -115,6 +115,11 @@ def _weak(method: Callable[..., None]) -> Callable[..., None]:
             bound(*args)
 
     return call
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a view of the same storage); a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _average_grad(summed: torch.Tensor, world_size: int) -> None:
@@ -214,7 +219,8 @@ class Unit:
         self._gather: _Gather | None = None  # while GATHERING
         self._packed: torch.Tensor | None = None  # while PACKED
         self._reduction: _Reduction | None = None  # while IN_FLIGHT
-        self._gathered_version = -1  # the shard's version counter when it was last gathered
+        self._gathered_version = -1  # the shard's version when it was last gathered
+        self._writes = 0  # writes into the shard that bypass the parameters (loads)
 
         layout, S = self.layout, self.layout.shard_numel
         # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
@@ -235,8 +241,12 @@ class Unit:
                 layout.fill_shard_from_full([p.detach() for p in params], self._sharded_storage.narrow(0, 0, S), self.rank)
                 self._sharded_storage[S] = float(index)
             shard_views = layout.sharded_views(self._sharded_storage.narrow(0, 0, S), self.rank)
+        # What the optimizer and torch's APIs see: DTensors whose local tensors are the views of the
+        # flat shard (design/notes/dtensor-parameters.md).
+        self._local_params = shard_views
         self.sharded_params = [
-            nn.Parameter(view, requires_grad=slot.requires_grad) for view, slot in zip(shard_views, layout.slots)
+            nn.Parameter(self.as_dtensor(view, slot), requires_grad=slot.requires_grad)
+            for view, slot in zip(shard_views, layout.slots)
         ]
         for param, slot in zip(self.sharded_params, layout.slots):
             if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
@@ -263,12 +273,19 @@ class Unit:
     def has_trainable(self) -> bool:
         return self.layout.num_trainable > 0
 
+    def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
+        """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
+        a DTensor with the parameter's global shape: ``Shard(0)``, or ``Replicate()`` for 0-dim."""
+        placement = Replicate() if slot.replicated else Shard(0)
+        return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=slot.shape, stride=slot.stride)
+
     def _shard_version(self) -> int:
-        """The version counter every write into the shard bumps: the optimizer's in-place update,
-        ``load_state_dict``'s copy, ``write_shard``. It cannot be consumed by the wrong event, so
-        staleness is derived from it instead of being a flag somebody must remember to set."""
-        owner = self._sharded_storage if self._sharded_storage is not None else self._padded_unsharded
-        return owner._version
+        """A count that every write into the shard raises: the parameters' version counters (the
+        optimizer's in-place update, any in-place write through a parameter) plus the writes
+        that go to the local views directly (``write_shard``, ``write_param``). It cannot be
+        consumed by the wrong event, so staleness is derived from it instead of being a flag
+        somebody must remember to set."""
+        return sum(p._version for p in self.sharded_params) + self._writes
 
     @property
     def data_state(self) -> DataState:
@@ -337,8 +354,20 @@ class Unit:
         """Overwrite this rank's shard with ``flat`` (``S`` elements, shard layout). The write bumps
         the shard's version counter, so an unsharded copy is stale afterwards."""
         with torch.no_grad():
-            for dst, src in zip(self.sharded_params, self.layout.sharded_views(flat, self.rank)):
+            for dst, src in zip(self._local_params, self.layout.sharded_views(flat, self.rank)):
                 dst.copy_(src)
+        self._writes += 1
+
+    def write_param(self, i: int, local: torch.Tensor) -> None:
+        """Overwrite parameter ``i``'s local chunk with ``local``; an unsharded copy is stale
+        afterwards."""
+        with torch.no_grad():
+            self._local_params[i].copy_(local)
+        self._writes += 1
+
+    def local_param(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s local chunk: a plain view of the flat shard."""
+        return self._local_params[i]
 
     @property
     def sharded_local(self) -> torch.Tensor:
@@ -572,7 +601,11 @@ class Unit:
         leaf_grad = self.unsharded_trainable.grad
         if leaf_grad is None:
             return []
-        return [i for i, p in enumerate(self.sharded_params) if p.grad is not None and p.grad._base is leaf_grad]
+        base = leaf_grad.untyped_storage().data_ptr()
+        return [
+            i for i, p in enumerate(self.sharded_params)
+            if p.grad is not None and local_of(p.grad).untyped_storage().data_ptr() == base
+        ]
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """Tensor hook: autograd is about to add a new gradient into the unsharded gradient.
@@ -665,11 +698,12 @@ class Unit:
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad
         rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if self.shard_in_unsharded and leaf_grad is not None else None
+        slots = self.layout.slots
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
             if param.grad is not None:
-                param.grad += view
+                local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad
                 rows[i].copy_(view)
-                param.grad = rows[i]
+                param.grad = self.as_dtensor(rows[i], slots[i])
             else:
-                param.grad = view
+                param.grad = self.as_dtensor(view, slots[i])

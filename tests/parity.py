@@ -262,7 +262,7 @@ def _train_sharded(case: Case) -> dict[str, Any]:
         opt.zero_grad(set_to_none=case.set_to_none)
     return {
         "full": model.full_state_dict(),
-        "local": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
         "losses": losses,
         "norms": norms,
     }

@@ -142,7 +142,7 @@ def train_and_read(case: Case, apply_after: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
     unit_forwards = calls[0]
-    local = {n: p.detach().clone() for n, p in model.named_parameters()}
+    local = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     buffers = {state_dict_name(n) for n, _ in model.named_buffers()}
     sharded, not_dtensor = {}, []
     for key, value in model.state_dict().items():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import models
 from harness import run_on_ranks
@@ -39,15 +40,15 @@ def on_ranks_names(case: Case) -> dict:
     shards_share_storage = []
     for handle in model.units:
         base = handle.sharded_local.untyped_storage().data_ptr()
-        shards_share_storage += [p.untyped_storage().data_ptr() == base for p in handle.sharded_params]
+        shards_share_storage += [p.to_local().untyped_storage().data_ptr() == base for p in handle.sharded_params]
     return {
         "params": [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()],
         "modules": [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()],
         "state_dict": list(sd) == list(plain.state_dict()),
         "module_is_original": model.module is original,
         "walk": isinstance(model.transformer.h[0], block_cls) and model.transformer.h[0] is original.transformer.h[0],
-        "ndim": all(p.dim() == q.dim() for p, q in zip(model.parameters(), plain.parameters())),
-        "trailing": all(p.shape[1:] == q.shape[1:] for p, q in zip(model.parameters(), plain.parameters())),
+        "shape": all(p.shape == q.shape for p, q in zip(model.parameters(), plain.parameters())),
+        "dtensor_params": all(isinstance(p, nn.Parameter) and isinstance(p, DTensor) for p in model.parameters()),
         "dtensor": all(
             isinstance(v, DTensor) and v.placements == (Shard(0),) and v.shape == plain.state_dict()[k].shape
             for k, v in sd.items()
@@ -231,7 +232,7 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
         if storage.data_ptr() in seen or storage.nbytes() == 0:
             continue
         seen.add(storage.data_ptr())

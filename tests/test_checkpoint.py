@@ -45,7 +45,7 @@ def on_ranks_full_round_trip(case: Case, sd: dict) -> dict:
     with count_collectives() as counted:
         sharded = model.state_dict()
     views = all(
-        v.to_local().untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+        v.to_local().untyped_storage().data_ptr() == p.to_local().untyped_storage().data_ptr()
         for (k, v), (n, p) in zip(((k, sharded[k]) for k, _ in model.named_parameters()), model.named_parameters())
     )
     bad = dict(sd) if dist.get_rank() == 0 else {}

@@ -99,7 +99,7 @@ def train_sharded_with_eval(case: Case, eval_after: int, eval_inside_no_sync: bo
         opt.zero_grad(set_to_none=case.set_to_none)
     return {
         "full": model.full_state_dict(),
-        "local": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
         "losses": losses,
         "norms": norms,
         "evals": evals,

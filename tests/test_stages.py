@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,7 +81,7 @@ def on_ranks_nonfinite_clip(poison: float) -> float:
     model = ShardedModule(models.mlp(8, 2), auto_wrap_policy={models.Block})
     model(torch.randn(4, 8)).sum().backward()
     if dist.get_rank() == 1:
-        next(iter(model.parameters())).grad.view(-1)[0] = poison
+        next(iter(model.parameters())).grad.to_local().view(-1)[0] = poison
     return model.clip_grad_norm_(1.0, 2.0).item(), model.clip_grad_norm_(1.0, math.inf).item()
 
 
@@ -175,6 +176,7 @@ def model_state_bytes(model, opt) -> int:
     tensors += [p.grad for p in model.parameters()]
     tensors += [v for s in opt.state.values() for k, v in s.items() if k != "step"]
     seen, total = set(), 0
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     for t in tensors:
         if t is not None and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())

@@ -21,7 +21,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwrap import collectives, state_dict
+from shardwrap import collectives
+from shardwrap import state_dict as _sd
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
@@ -260,6 +261,22 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                 )
 
 
+def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
+    """HF's ``save_pretrained`` on the wrapped module would write this rank's shards (or trip
+    over views that share the flat shard's storage): ask for the full state dict instead."""
+
+    def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            raise RuntimeError(
+                f"rank {collectives.rank()}: save_pretrained on a module wrapped by ShardedModule would "
+                f"write this rank's shards. Gather the full weights on every rank first, then save them on "
+                f"rank 0: sd = model.full_state_dict(); model.module.save_pretrained(dir, state_dict=sd)"
+            )
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    return save_pretrained
+
+
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -369,6 +386,8 @@ class ShardedModule(nn.Module):
             collectives.broadcast_tensors(list(module.buffers()), group)
         for sub in module.modules():
             _MANAGED_MODULES.add(sub)
+        if callable(getattr(module, "save_pretrained", None)):  # a Hugging Face model
+            setattr(module, "save_pretrained", _guard_save_pretrained(getattr(module, "save_pretrained")))
         global _optimizer_hook_installed
         if not _optimizer_hook_installed:
             register_optimizer_step_pre_hook(_check_optimizer_params)
@@ -396,6 +415,11 @@ class ShardedModule(nn.Module):
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict's hook for wrappers: the child ``module`` adds
+        nothing to a name, so ``get_state_dict``/``set_state_dict`` use the unwrapped model's keys."""
+        return {"module": "module"}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         dtype = self.mixed_precision.param_dtype
@@ -579,16 +603,16 @@ class ShardedModule(nn.Module):
         Built from views of the local shards: no communication.
         """
         self._check_idle("state_dict")
-        return state_dict.sharded_state_dict(self, prefix, keep_vars)
+        return _sd.sharded_state_dict(self, prefix, keep_vars)
 
-    def load_state_dict(self, state_dict_: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load ``DTensor`` values (saved at any world size) or full tensors, by original name.
 
         Every key and shape is checked first; a bad dict raises one error listing every problem
         and changes nothing.
         """
         self._check_idle("load_state_dict")
-        missing, unexpected = state_dict.load_sharded_or_full(self, state_dict_, strict)
+        missing, unexpected = _sd.load_sharded_or_full(self, state_dict, strict)
         return _IncompatibleKeys(missing, unexpected)
 
     def full_state_dict(self, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -598,32 +622,32 @@ class ShardedModule(nn.Module):
         unwrapped model's ``state_dict()``, tied names and buffers included.
         """
         self._check_idle("full_state_dict")
-        return state_dict.full_state_dict(self, rank0_only, cpu_offload)
+        return _sd.full_state_dict(self, rank0_only, cpu_offload)
 
     def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load a full state dict that the mesh's first rank holds (the other ranks pass ``{}``),
         scattering it unit by unit."""
         self._check_idle("load_full_state_dict")
-        state_dict.load_full_state_dict(self, sd, strict)
+        _sd.load_full_state_dict(self, sd, strict)
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:
         full state tensors, indexed like a plain optimizer, param_groups unchanged."""
         self._check_idle("full_optim_state_dict")
-        return state_dict.full_optim_state_dict(self, optimizer, rank0_only)
+        return _sd.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load a full optimizer state dict held by the mesh's first rank, at any world size."""
         self._check_idle("load_full_optim_state_dict")
-        state_dict.load_full_optim_state_dict(self, optimizer, osd)
+        _sd.load_full_optim_state_dict(self, optimizer, osd)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Optimizer state as ``DTensor(Shard(0))`` keyed by original parameter name, for
         ``torch.distributed.checkpoint``."""
         self._check_idle("sharded_optim_state_dict")
-        return state_dict.sharded_optim_state_dict(self, optimizer)
+        return _sd.sharded_optim_state_dict(self, optimizer)
 
     def load_sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load what ``sharded_optim_state_dict`` gave, resharding when the world size differs."""
         self._check_idle("load_sharded_optim_state_dict")
-        state_dict.load_sharded_optim_state_dict(self, optimizer, osd)
+        _sd.load_sharded_optim_state_dict(self, optimizer, osd)

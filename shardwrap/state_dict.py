@@ -74,6 +74,8 @@ def _raise_problems(what: str, problems: list[str]) -> None:
 
 
 def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    for unit in model.units:
+        unit.lend_views()
     out: dict[str, Any] = {}
     for key, value in model.module.state_dict(prefix=prefix, keep_vars=True).items():
         found = model.unit_of(value)
@@ -279,7 +281,12 @@ def _optim_problems(params: list[torch.Tensor], osd: Any, full_shape: Callable[[
 
 
 def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {fqn: {key: DTensor(Shard(0)) | value}}, "param_groups": [... "params": [fqns]]}``."""
+    """``{"state": {fqn: {key: DTensor(Shard(0)) | value}}, "param_groups": [... "params": [fqns]]}``.
+
+    A fresh optimizer has no state yet; its state is created first (a zero-learning-rate step on
+    zero gradients, as ``torch.distributed.checkpoint.state_dict.get_state_dict`` does), so the
+    result is a complete template for ``torch.distributed.checkpoint.load``, never an empty one."""
+    init_optim_state(opt)
     osd = opt.state_dict()
     params = _opt_params(opt)
     fqns = []
@@ -329,18 +336,19 @@ def init_optim_state(opt: torch.optim.Optimizer) -> None:
     and a zero learning rate (a template for ``torch.distributed.checkpoint.load``)."""
     if opt.state:
         return
-    saved = []
+    saved, zeroed = [], []
     for group in opt.param_groups:
         saved.append(group["lr"])
         group["lr"] = 0.0
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+                zeroed.append(p)
     opt.step()
     for group, lr in zip(opt.param_groups, saved):
         group["lr"] = lr
-        for p in group["params"]:
-            p.grad = None
+    for p in zeroed:  # gradients the caller had stay
+        p.grad = None
 
 
 def check_full(model: "ShardedModule", opt: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> list[str]:

@@ -365,6 +365,12 @@ class Unit:
             self._local_params[i].copy_(local)
         self._writes += 1
 
+    def lend_views(self) -> None:
+        """Views of the shard were handed out (``state_dict()``): whatever writes into them
+        in place (``torch.distributed.checkpoint.load`` does) bumps no version counter, so the
+        next forward gathers again."""
+        self._writes += 1
+
     def local_param(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s local chunk: a plain view of the flat shard."""
         return self._local_params[i]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import models
 from harness import run_on_ranks
@@ -41,6 +42,7 @@ class Case:
     no_sync: bool = False  # run all but the last micro-batch under model.no_sync()
     mixed_precision: str | None = None  # "bf16" | "fp16": param and reduce dtype
     clip: float | None = None  # clip_grad_norm_ max_norm
+    clip_api: str = "shardwrap"  # or "torch": torch.nn.utils.clip_grad_norm_(model.parameters(), ...)
     norm_type: float = 2.0
     max_unsharded: int = 2
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
@@ -257,7 +259,7 @@ def _train_sharded(case: Case) -> dict[str, Any]:
             step_loss += loss.item()
         losses.append(step_loss)
         if case.clip is not None:
-            norms.append(model.clip_grad_norm_(case.clip, case.norm_type).item())
+            norms.append(clip(case, model))
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
     return {
@@ -266,6 +268,18 @@ def _train_sharded(case: Case) -> dict[str, Any]:
         "losses": losses,
         "norms": norms,
     }
+
+
+def clip(case: Case, model: Any) -> float:
+    """Clip as the case says and return the total norm. With torch's own clip_grad_norm_ on
+    ``model.parameters()`` (DTensors), the norm must agree with shardwrap's method on every rank."""
+    if case.clip_api == "shardwrap":
+        return model.clip_grad_norm_(case.clip, case.norm_type).item()
+    ours = model.clip_grad_norm_(float("inf"), case.norm_type).item()  # the norm; scales by 1
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, case.norm_type)
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    assert abs(total.item() - ours) <= 1e-5 * max(1.0, ours), f"torch's norm {total.item()} vs model.clip_grad_norm_ {ours}"
+    return total.item()
 
 
 def expected_chunk(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:

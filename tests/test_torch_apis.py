@@ -1,0 +1,240 @@
+"""torch's own distributed APIs on a ShardedModule give the single-process answer: parameters and
+gradients are DTensors, so ``torch.nn.utils.clip_grad_norm_``, ``torch.distributed.checkpoint``'s
+``get_state_dict``/``set_state_dict`` (at another world size too), HF's ``save_pretrained`` and
+the overridden ``nn.Module`` signatures work unchanged (design/notes/dtensor-parameters.md)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import models
+from harness import run_on_ranks
+from parity import Case, build_model, build_optimizer, check_parity, compare, global_batch, loss_fn, resolve_policy, train_reference
+
+MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
+GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
+
+
+def case(base: Case = MLP, **changes) -> Case:
+    return Case(**{**base.__dict__, **changes})
+
+
+# ---- parameters and gradients are DTensors ------------------------------------------------------
+
+
+def on_ranks_dtensors() -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.scaled(), auto_wrap_policy={models.Block})
+    plain = models.scaled()
+    x = torch.randn(4, 16)
+    model(x).pow(2).mean().backward()
+    params = list(model.parameters())
+    unit_params = {id(p) for u in model.units for p in u.sharded_params}
+    return {
+        "all_dtensor_params": all(isinstance(p, DTensor) and isinstance(p, nn.Parameter) for p in params),
+        "global_shapes": [tuple(p.shape) for p in params] == [tuple(q.shape) for q in plain.parameters()],
+        "placements": sorted({str(p.placements) for p in params}),
+        "grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params),
+        "locals_are_shard_views": all(
+            p.to_local().untyped_storage().data_ptr() == u.sharded_local.untyped_storage().data_ptr()
+            for u in model.units for p in u.sharded_params
+        ),
+        "owned": all(id(p) in unit_params for p in params),
+    }
+
+
+def test_parameters_and_gradients_are_dtensors_over_the_flat_shard():
+    for r in run_on_ranks(2, on_ranks_dtensors):
+        assert r["all_dtensor_params"] and r["global_shapes"] and r["grads"] and r["locals_are_shard_views"] and r["owned"], r
+        assert r["placements"] == sorted({str((Replicate(),)), str((Shard(0),))}), r  # the 0-dim gain is replicated
+
+
+# ---- torch.nn.utils.clip_grad_norm_ ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_clip_grad_norm_matches_the_unwrapped_model(stage, world_size, norm_type):
+    # Every step clips (max_norm is below every step's norm) with torch's function; its total norm
+    # must equal torch's on the unwrapped model and shardwrap's own method on every rank.
+    check_parity(case(stage=stage, clip=0.05, clip_api="torch", norm_type=norm_type), world_size)
+
+
+def test_torch_clip_grad_norm_with_replicated_parameters_and_gpt2():
+    check_parity(Case("scaled", policy="Block", clip=0.05, clip_api="torch"), 3)
+    check_parity(case(GPT2, clip=0.3, clip_api="torch", optim="adamw"), 2)
+
+
+# ---- torch.distributed.checkpoint.state_dict ------------------------------------------------------
+
+
+def _train(model, opt, case: Case, steps: range) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        loss_fn(case, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _make(case: Case):
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
+    return model, build_optimizer(case, model)
+
+
+def on_ranks_save(case: Case, path: str, steps: int, full: bool) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, opt = _make(case)
+    _train(model, opt, case, range(steps))
+    if full:
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            torch.save({"model": msd, "optim": osd}, path)
+        dist.barrier()
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return list(msd)
+
+
+def on_ranks_resume(case: Case, path: str, start: int, full: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, opt = _make(case)
+    if full:
+        state = torch.load(path, weights_only=True)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train(model, opt, case, range(start, case.steps))
+    return {
+        "full": model.full_state_dict(),
+        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        "losses": [0.0] * case.steps,
+        "norms": [],
+    }
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_get_state_dict_saved_at_w4_resumes_at_w2_and_w3_on_the_same_trajectory(stage, optim, tmp_path):
+    run = case(stage=stage, optim=optim, steps=4)
+    expected, _, _ = train_reference(run)
+    path = str(tmp_path / "ckpt")
+    keys = run_on_ranks(4, on_ranks_save, run, path, 2, False)[0]
+    assert keys == list(build_model(run).state_dict()), "keys must be the unwrapped model's"
+    for world in (2, 3):
+        results = run_on_ranks(world, on_ranks_resume, run, path, 2, False)
+        compare(run, world, results, reference=(expected, [], []))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_state_dict_options_round_trip_at_another_world_size(stage, tmp_path):
+    run = case(GPT2, stage=stage, optim="adamw", steps=3)
+    expected, _, _ = train_reference(run)
+    path = str(tmp_path / "full.pt")
+    keys = run_on_ranks(2, on_ranks_save, run, path, 1, True)[0]
+    assert keys == list(build_model(run).state_dict())
+    compare(run, 3, run_on_ranks(3, on_ranks_resume, run, path, 1, True), reference=(expected, [], []))
+
+
+def on_ranks_template(case: Case, path: str) -> dict:
+    """The template flow: a fresh optimizer's sharded_optim_state_dict is complete (its state is
+    created first), so DCP fills every entry."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _make(case)
+    template = {"model": model.state_dict(), "optim": model.sharded_optim_state_dict(opt)}
+    dcp.load(template, checkpoint_id=path)
+    model.load_state_dict(template["model"])
+    model.load_sharded_optim_state_dict(opt, template["optim"])
+    states = sum(len(s) for s in opt.state.values())
+    _train(model, opt, case, range(2, case.steps))
+    return {"full": model.full_state_dict(), "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+            "losses": [0.0] * case.steps, "norms": [], "states": states}
+
+
+def test_sharded_optim_state_dict_of_a_fresh_optimizer_is_a_full_template(tmp_path):
+    run = case(stage=1, optim="sgd", steps=4)
+    expected, _, _ = train_reference(run)
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, on_ranks_save, run, path, 2, False)
+    results = run_on_ranks(2, on_ranks_template, run, path)
+    assert all(r["states"] > 0 for r in results)
+    compare(run, 2, results, reference=(expected, [], []))
+
+
+# ---- Hugging Face save_pretrained, signatures -----------------------------------------------------
+
+
+def on_ranks_save_pretrained(path: str) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.gpt2(n_layer=2), auto_wrap_policy={models.gpt2_block_class()})
+    try:
+        model.module.save_pretrained(path)
+        refused = "no error"
+    except RuntimeError as exc:
+        refused = str(exc)
+    sd = model.full_state_dict()
+    if dist.get_rank() == 0:
+        model.module.save_pretrained(path, state_dict=sd)
+    dist.barrier()
+    loaded = GPT2LMHeadModel.from_pretrained(path).state_dict()
+    full = model.full_state_dict(rank0_only=False)
+    same = all(torch.equal(loaded[k], v) for k, v in full.items() if k in loaded)
+    return {"refused": refused, "same": same, "written": not os.path.exists(os.path.join(path, "never"))}
+
+
+def test_save_pretrained_refuses_shards_and_round_trips_full_weights(tmp_path):
+    for r in run_on_ranks(2, on_ranks_save_pretrained, str(tmp_path / "hf")):
+        assert "full_state_dict()" in r["refused"] and "state_dict=sd" in r["refused"], r["refused"]
+        assert r["same"]
+
+
+def test_overridden_module_methods_keep_torch_signatures():
+    from shardwrap import ShardedModule
+
+    for name in ("load_state_dict", "named_parameters", "named_buffers", "named_modules"):
+        ours = list(inspect.signature(getattr(ShardedModule, name)).parameters)
+        theirs = list(inspect.signature(getattr(nn.Module, name)).parameters)
+        assert ours == theirs, (name, ours, theirs)
+
+
+def on_ranks_load_by_keyword() -> bool:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(8, 2), auto_wrap_policy={models.Block})
+    torch.manual_seed(1)
+    other = models.mlp(8, 2)
+    result = model.load_state_dict(state_dict=other.state_dict(), strict=True)
+    full = model.full_state_dict(rank0_only=False)
+    return not result.missing_keys and all(torch.equal(full[k], v) for k, v in other.state_dict().items())
+
+
+def test_load_state_dict_by_keyword():
+    assert all(run_on_ranks(2, on_ranks_load_by_keyword))

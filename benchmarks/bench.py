@@ -19,12 +19,13 @@ import json
 import os
 import statistics
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
+from common import apply_ac, apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
 from shardwrap.memory import (
     CATEGORIES, LiveStorages, model_state_bytes, optimizer_states, state_classifier, unsharded_tensors,
 )
@@ -36,7 +37,8 @@ p.add_argument("--steps", type=int, default=4, help="timed steps per implementat
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
 p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
-p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always run)")
+p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always "
+               "run); the '+AC' ones run on gpt2 by default and on mlp only when named here")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -46,15 +48,23 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 IMPLS = [
     "single", "ddp", "ddp+zero", "fsdp1 FULL_SHARD", "fsdp1 SHARD_GRAD_OP", "fully_shard", "fully_shard raf=False",
     "shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s3 no-prefetch",
+    # activation checkpointing (non-reentrant checkpoint_wrapper around every block, applied before wrapping)
+    "fsdp1 FULL_SHARD +AC", "fully_shard +AC", "shardwrap s3 +AC",
 ]
+AC_MODELS = {"gpt2"}  # the '+AC' rows run by default only here (the MLP's activations are tiny)
 if args.impls:
     IMPLS = [i for i in IMPLS if i in {"ddp", "fully_shard", *args.impls.split(",")}]
+
+
+def impls_for(name: str) -> list[str]:
+    return [i for i in IMPLS if "+AC" not in i or name in AC_MODELS or i in args.impls.split(",")]
 ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, fp32 AdamW
     "single": lambda W: 16, "ddp": lambda W: 16, "ddp+zero": lambda W: 8 + 8 / W,
     "fsdp1 FULL_SHARD": lambda W: 16 / W, "fsdp1 SHARD_GRAD_OP": lambda W: 16 / W,
     "fully_shard": lambda W: 16 / W, "fully_shard raf=False": lambda W: 16 / W,
     "shardwrap s1": lambda W: 8 + 8 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
     "shardwrap s3 no-prefetch": lambda W: 16 / W,
+    "fsdp1 FULL_SHARD +AC": lambda W: 16 / W, "fully_shard +AC": lambda W: 16 / W, "shardwrap s3 +AC": lambda W: 16 / W,
 }
 
 
@@ -93,7 +103,8 @@ def build(name: str) -> tuple[nn.Module, set]:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                     use_cache=False)  # training: no KV cache (under checkpoint_wrapper the recomputation would append to it)
     return GPT2LMHeadModel(cfg), {GPT2Block}
 
 
@@ -116,6 +127,9 @@ def wrap(impl: str, name: str):
     from shardwrap import ShardedModule
 
     model, units = build(name)
+    if impl.endswith("+AC"):
+        apply_ac(model, units)  # the blocks stay findable: the policies below still make each one a unit
+        impl = impl.removesuffix(" +AC")
     adamw = dict(lr=1e-4, weight_decay=0.1)
     if impl in ("single",):
         pass
@@ -133,6 +147,8 @@ def wrap(impl: str, name: str):
     else:
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2)
+        blocks = {n for n, m in model.module.named_modules() if isinstance(m, tuple(units))}
+        assert {u.name for u in model.units[1:]} == blocks, ([u.name for u in model.units], blocks)
     return model, torch.optim.AdamW(model.parameters(), **adamw)
 
 
@@ -154,12 +170,53 @@ def run_steps(impl, name, model, opt, steps, start=0, tracker=None):
     return times, losses
 
 
+class Tracker(LiveStorages):
+    """LiveStorages that also counts as activations what non-reentrant checkpoint keeps for backward.
+
+    LiveStorages sees saved tensors through its own saved_tensors_hooks, but inside a checkpointed
+    region checkpoint's hooks are the innermost and win: the forward saves nothing there (right),
+    and the recomputation in backward stores the saved tensors in the checkpoint frame, out of the
+    tracker's sight (they would count as "other"). The block's inputs, which checkpoint saves
+    outside its hooks, the tracker already sees. So while tracking, every new checkpoint frame is
+    noted, and at each new peak the tensors its recomputation holds join the activations. Totals
+    and peaks do not change; only the split does."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self._frames: weakref.WeakSet = weakref.WeakSet()
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        import torch.utils.checkpoint as cp
+
+        self._frame_init = cp._CheckpointFrame.__init__
+        frames, orig = self._frames, self._frame_init
+
+        def init(frame, *a, **k) -> None:
+            orig(frame, *a, **k)
+            frames.add(frame)
+
+        cp._CheckpointFrame.__init__ = init
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        import torch.utils.checkpoint as cp
+
+        super().__exit__(*exc)
+        cp._CheckpointFrame.__init__ = self._frame_init
+
+    def _split(self, live):  # type: ignore[no-untyped-def]
+        held = [t for f in list(self._frames) for d in list(f.recomputed.values()) for t in list(d.values())]
+        self._saved += [weakref.ref(t) for t in held]
+        return super()._split(live)
+
+
 results: dict[tuple[str, str], dict] = {}
 for name in args.models.split(","):
-    times: dict[str, list[float]] = {i: [] for i in IMPLS}
+    impls = impls_for(name)
+    times: dict[str, list[float]] = {i: [] for i in impls}
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
-        order = IMPLS if rnd % 2 == 0 else IMPLS[::-1]  # interleave, alternating the order
+        order = impls if rnd % 2 == 0 else impls[::-1]  # interleave, alternating the order
         for impl in order:
             dist.barrier()
             if impl == "single" and rank != 0:
@@ -176,14 +233,14 @@ for name in args.models.split(","):
                 dist.barrier()
     # Memory pass: one implementation at a time, two steps under the tracker.
     memory = {}
-    for impl in IMPLS:
+    for impl in impls:
         dist.barrier()
         if impl == "single" and rank != 0:
             dist.barrier()
             continue
         model, opt = wrap(impl, name)
         run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
-        tracker = LiveStorages(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model), every=1,
+        tracker = Tracker(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model), every=1,
                                classify=state_classifier(model, opt))
         tracker.track(optimizer_states(opt))  # created before the tracker
         with tracker:
@@ -231,7 +288,8 @@ if rank == 0:
                      "| at peak r0: params / grads / optim / activations / other MiB | steady MiB r0 | model state / ZeRO formula |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         checks = []
-        for impl in IMPLS:
+        impls = [i for i in IMPLS if i in r0["times"]]
+        for impl in impls:
             med = statistics.median(r0["times"][impl]) * 1e3
             m0 = r0["memory"][impl]
             peak1 = ranks[1]["memory"].get(impl, {}).get("peak") if world > 1 else None
@@ -252,6 +310,20 @@ if rank == 0:
                      "implementation divides them (DDP's buckets and ZeroRedundancyOptimizer's full gradients show "
                      "above 1). 'steady' is every live storage at that moment.\n")
         lines.append("ZeRO formula check (shardwrap): " + "; ".join(checks) + ".")
+        ref_loss = global_loss(ranks, "ddp")
+        worst = max(impls, key=lambda i: abs(global_loss(ranks, i) - ref_loss))
+        lines.append(f"\nLoss check: the largest difference from ddp's global loss ({ref_loss:.7f}) is "
+                     f"{abs(global_loss(ranks, worst) - ref_loss):.2e} ({worst}).")
+        ac = [(i.removesuffix(" +AC"), i) for i in impls if i.endswith("+AC") and i.removesuffix(" +AC") in impls]
+        if ac:
+            act = lambda i: r0["memory"][i]["at_peak"]["activations"] / 2**20  # noqa: E731
+            peak = lambda i: r0["memory"][i]["peak"] / 2**20  # noqa: E731
+            step = lambda i: statistics.median(r0["times"][i]) * 1e3  # noqa: E731
+            lines.append("\nActivation checkpointing (rank 0, activations at the peak / peak MiB / step ms, without -> with AC): " + "; ".join(
+                f"{base}: {act(base):.1f} -> {act(withac):.1f} / {peak(base):.1f} -> {peak(withac):.1f} / "
+                f"{step(base):.0f} -> {step(withac):.0f}" for base, withac in ac) + ". With AC, activations are what autograd "
+                "saved outside the checkpointed blocks, the blocks' inputs checkpoint keeps, and the tensors of the block "
+                "being recomputed.")
     text = "\n".join(lines) + "\n"
     path = os.path.join(args.out, f"bench_W{world}{args.tag}.md")
     with open(path, "w") as f:
@@ -266,7 +338,7 @@ if rank == 0:
         fig, axes = plt.subplots(len(results), 2, figsize=(14, 4.5 * len(results)), squeeze=False)
         for row, (name, ranks) in enumerate(results.items()):
             r0 = ranks[0]
-            labels = IMPLS
+            labels = [i for i in IMPLS if i in r0["times"]]
             ax = axes[row][0]
             bottom = [0.0] * len(labels)
             for cat in CATEGORIES:

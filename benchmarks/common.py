@@ -15,3 +15,28 @@ def apply_fully_shard(model: nn.Module, units: set[type], reshard_after_forward:
             fully_shard(m, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def apply_ac(model: nn.Module, units: set[type]) -> nn.Module:
+    """Activation checkpointing on every module of a unit class, in place, before any wrapping:
+    ``apply_activation_checkpointing`` with non-reentrant ``checkpoint_wrapper``. Each block then
+    sits inside a ``CheckpointWrapper`` (as its ``_checkpoint_wrapped_module``), so a wrap policy
+    or ``fully_shard`` loop that matches the block class still finds every block and makes it the
+    unit, and the whole unit's forward is recomputed in backward."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper,
+    )
+
+    blocks = [m for m in model.modules() if isinstance(m, tuple(units))]
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, tuple(units)),
+    )
+    wrapped = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    found = [m for m in model.modules() if isinstance(m, tuple(units))]
+    assert blocks and [id(m) for m in wrapped] == [id(m) for m in blocks] == [id(m) for m in found], (
+        "apply_activation_checkpointing must wrap each block once and leave it findable")
+    return model

@@ -464,25 +464,6 @@ def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optim
     opt.load_state_dict(sharded_optim_load(model, opt, osd))
 
 
-def init_optim_state(opt: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state without changing any parameter: one step with zero gradients
-    and a zero learning rate (a template for ``torch.distributed.checkpoint.load``)."""
-    if opt.state:
-        return
-    saved = []
-    for group in opt.param_groups:
-        saved.append(group["lr"])
-        group["lr"] = 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    opt.step()
-    for group, lr in zip(opt.param_groups, saved):
-        group["lr"] = lr
-        for p in group["params"]:
-            p.grad = None
-
-
 def check_full(model: "ShardedModule", opt: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> list[str]:
     """Every problem a full checkpoint ``{"model": ..., "optim": ...}`` has for this model and
     optimizer, so that loading can refuse before changing either."""

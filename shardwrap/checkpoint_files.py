@@ -28,6 +28,7 @@ import pathlib
 import pickle
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Mapping, Sequence, cast
 
 import torch
@@ -433,34 +434,50 @@ class SafeReader(FileSystemReader):
                     _load_item(item, data, planner)
 
     def _read_verified(self, path: str, want: FileRecord, items: list[ReadItem], planner: LoadPlanner) -> None:
-        buffer = _EntryBuffer()
-        crc, pos, failure = 0, 0, None
-        with open(path, "rb", buffering=0) as f:
+        # The CRC is folded on a helper thread (zlib.crc32 releases the GIL) while this thread parses
+        # the same bytes; two buffers alternate, so a buffer is refilled only once its CRC is done.
+        buffers, pending = [_EntryBuffer(), _EntryBuffer()], [None, None]
+        turn, pos, failure = 0, 0, None
+        crc = [0]
+
+        def fold(view: memoryview) -> None:  # runs on the helper, in submission order
+            crc[0] = zlib.crc32(view, crc[0])
+
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as helper:
+
+            def read(n: int) -> memoryview:
+                nonlocal turn, pos
+                turn ^= 1
+                if pending[turn] is not None:
+                    pending[turn].result()  # type: ignore[attr-defined]
+                view = buffers[turn].read(f, n)
+                pending[turn] = helper.submit(fold, view)  # type: ignore[call-overload]
+                pos += len(view)
+                return view
+
             for (offset, length), users in [*self._entries(items), ((-1, -1), [])]:  # then the rest of the file
                 if 0 <= offset < pos:
                     raise DamagedCheckpointError(f"file '{path}' has overlapping entries")
                 while offset < 0 or pos < offset:  # bytes no entry of this rank's needs: into the CRC only
-                    gap = buffer.read(f, _CHUNK if offset < 0 else min(_CHUNK, offset - pos))
-                    if not len(gap):
+                    if not len(read(_CHUNK if offset < 0 else min(_CHUNK, offset - pos))):
                         break
-                    crc = zlib.crc32(gap, crc)
-                    pos += len(gap)
                 if offset < 0:
                     break
-                data = buffer.read(f, length)
-                crc = zlib.crc32(data, crc)
-                pos += len(data)
+                data = read(length)
                 if failure is None and len(data) == length:
                     try:
                         for item in users:
                             _load_item(item, data, planner)
                     except Exception as exc:  # reported only if the file is intact (else: the damage)
                         failure = exc
+            for work in pending:
+                if work is not None:
+                    work.result()  # type: ignore[attr-defined]
         if pos != want.size:
             raise DamagedCheckpointError(f"file '{path}' has {pos} bytes, the manifest says {want.size} (truncated or overwritten)")
-        if crc != want.crc32:
+        if crc[0] != want.crc32:
             raise DamagedCheckpointError(
-                f"file '{path}' fails its CRC-32 check (saved {want.crc32:08x}, now {crc:08x}): its bytes changed since it was saved"
+                f"file '{path}' fails its CRC-32 check (saved {want.crc32:08x}, now {crc[0]:08x}): its bytes changed since it was saved"
             )
         if failure is not None:
             raise failure

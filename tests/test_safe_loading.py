@@ -8,6 +8,7 @@ refuses it, names the file, and leaves the model, the optimizer and the marker's
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import io
@@ -463,6 +464,7 @@ _PRISTINE: dict[str, str] = {}
 def pristine_checkpoint() -> str:
     if "path" not in _PRISTINE:
         root = tempfile.mkdtemp(prefix="shardwrap-hypothesis-")
+        atexit.register(shutil.rmtree, root, True)
         run_on_ranks(2, on_ranks_save, LIVE, os.path.join(root, "ckpt"))
         _PRISTINE["path"] = os.path.join(root, "ckpt")
     return _PRISTINE["path"]

@@ -1,7 +1,8 @@
-"""Pieces bench.py and cuda_check.py share."""
+"""Pieces bench.py, cuda_check.py and checkpoint_cost.py share."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 
@@ -15,3 +16,14 @@ def apply_fully_shard(model: nn.Module, units: set[type], reshard_after_forward:
             fully_shard(m, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model
+
+
+class RecipeMLP(nn.Module):  # PyTorch's ZeroRedundancyOptimizer recipe: 20 x Linear(2000)
+    def __init__(self, width: int = 2000, depth: int = 20) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x

@@ -22,6 +22,7 @@ import zlib
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,7 +81,9 @@ def snapshot(model, opt) -> dict:
 
 
 def same_bits(a, b) -> bool:
-    """Equal down to the bits (NaNs included): tensors by their bytes, containers recursively."""
+    """Equal down to the bits (NaNs included): tensors by their bytes (a DTensor by its local
+    tensor), containers recursively."""
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
     if isinstance(a, torch.Tensor):
         return (
             isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape

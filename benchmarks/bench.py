@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import apply_ac, apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RecipeMLP, apply_ac, apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
 from shardwrap.memory import (
     CATEGORIES, LiveStorages, model_state_bytes, optimizer_states, state_classifier, unsharded_tensors,
 )
@@ -84,17 +84,6 @@ def release_memory() -> None:
 
 
 # ---- models and data ----------------------------------------------------------------------------
-class RecipeMLP(nn.Module):  # PyTorch's ZeroRedundancyOptimizer recipe: 20 x Linear(2000)
-    def __init__(self, width: int = 2000, depth: int = 20) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
 def build(name: str) -> tuple[nn.Module, set]:
     torch.manual_seed(0)
     if name == "mlp":

@@ -1,7 +1,8 @@
-"""Pieces bench.py and cuda_check.py share."""
+"""Pieces bench.py, cuda_check.py and checkpoint_cost.py share."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 
@@ -40,3 +41,14 @@ def apply_ac(model: nn.Module, units: set[type]) -> nn.Module:
     assert blocks and [id(m) for m in wrapped] == [id(m) for m in blocks] == [id(m) for m in found], (
         "apply_activation_checkpointing must wrap each block once and leave it findable")
     return model
+
+
+class RecipeMLP(nn.Module):  # PyTorch's ZeroRedundancyOptimizer recipe: 20 x Linear(2000)
+    def __init__(self, width: int = 2000, depth: int = 20) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x

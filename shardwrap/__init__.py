@@ -1,6 +1,16 @@
 """shardwrap: FSDP-style ZeRO sharding over flat parameters, built on DTensor."""
 
-from shardwrap.checkpoint import export_to_torch_save, load_checkpoint, load_full, save_checkpoint, save_full
+from shardwrap.checkpoint import (
+    CheckpointError,
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+    export_to_torch_save,
+    load_checkpoint,
+    load_full,
+    save_checkpoint,
+    save_full,
+)
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.sharded_module import ShardedModule
 from shardwrap.stage import Stage
@@ -12,5 +22,9 @@ __all__ = [
     "save_full",
     "load_full",
     "export_to_torch_save",
+    "CheckpointError",
+    "DamagedCheckpointError",
+    "UnsafeCheckpointError",
+    "UnverifiedCheckpointWarning",
     "ShardedModule", "Stage", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
 __version__ = "0.1.0"

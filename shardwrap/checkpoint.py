@@ -1,10 +1,17 @@
-"""Checkpoints on disk: sharded (``torch.distributed.checkpoint``) and single-file (``torch.save``).
+"""Checkpoints on disk: sharded (``torch.distributed.checkpoint``) and single-file (``torch.save``)
+[design/notes/safe-loading.md].
 
-Saves are atomic: everything is written under a temporary name beside the target and renamed into
-place only after every rank finished, so a save that dies halfway leaves the previous checkpoint
-loadable. Loads read into scratch copies, validate, and only then write into the model and
-optimizer, so a bad checkpoint changes nothing. Nothing is unpickled: DCP, or
-``torch.load(weights_only=True)``.
+Saves are atomic: everything, the manifest of checksums included, is written under a temporary
+name beside the target and renamed into place only after every rank finished, so a save that dies
+halfway leaves the previous checkpoint loadable.
+
+Loads change nothing unless they succeed. Each step is agreed on by every rank before the next:
+the manifest is read and ``.metadata`` checked against it; ``.metadata`` is unpickled by an
+allow-list of DCP's own classes (``checkpoint_files.py``); every key and shape is checked against
+the model and optimizer (from the metadata alone); DCP reads into scratch copies, tensors and
+values with ``torch.load(weights_only=True)``, each rank verifying its share of the data files as
+it reads them (the rest of its share after); the optimizer's groups are checked; only then are the
+optimizer and the model written.
 """
 
 from __future__ import annotations
@@ -12,18 +19,37 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shardwrap import collectives
-from shardwrap.state_dict import check_full, init_optim_state
+from shardwrap import checkpoint_files as files
+from shardwrap import collectives, state_dict
+from shardwrap.checkpoint_files import (
+    CheckpointError,
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+)
 
 if TYPE_CHECKING:
     from shardwrap.sharded_module import ShardedModule
+
+__all__ = [
+    "save_checkpoint", "load_checkpoint", "export_to_torch_save", "save_full", "load_full",
+    "CheckpointError", "DamagedCheckpointError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
+]
+
+T = TypeVar("T")
+
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError, CheckpointError, ValueError, RuntimeError)
+}
 
 
 def _agree(value: Any, model: "ShardedModule") -> Any:
@@ -31,8 +57,42 @@ def _agree(value: Any, model: "ShardedModule") -> Any:
     return collectives.broadcast_object(value, model.mesh.get_group())
 
 
-def _write(state: dict[str, Any], tmp: str) -> None:
-    dcp.save(state, checkpoint_id=tmp)
+def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
+    """Run ``step`` on every rank; if it raised on any rank, raise the first rank's error on every
+    rank (same type and message), so that no rank goes on alone."""
+    try:
+        result, failure = step(), None
+    except Exception as exc:
+        result, failure = None, (type(exc).__name__, str(exc))
+    failures = [f for f in collectives.all_gather_object(failure, model.mesh.get_group()) if f is not None]
+    if failures:
+        name, message = failures[0]
+        raise _ERRORS.get(name, RuntimeError)(message)
+    return result  # type: ignore[return-value]
+
+
+# ---- sharded checkpoints (DCP) ------------------------------------------------------------------
+
+
+def _write(state: dict[str, Any], tmp: str) -> Metadata:
+    return dcp.save(state, checkpoint_id=tmp)
+
+
+def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule") -> dict[str, files.FileRecord]:
+    """Every file of the checkpoint in ``tmp`` with its size and CRC-32, on every rank; each rank
+    reads its share (``checkpoint_files.share``). Every rank has finished writing when it returns."""
+    names = sorted({files.METADATA} | {info.relative_path for info in metadata.storage_data.values()})
+    rank, world = model.mesh.get_local_rank(), model.mesh.size()
+    try:
+        mine: Any = {name: files.checksum(os.path.join(tmp, name)) for name in files.share(names, rank, world)}
+    except OSError as exc:
+        mine = f"rank {rank}: {exc}"
+    records: dict[str, files.FileRecord] = {}
+    for part in collectives.all_gather_object(mine, model.mesh.get_group()):
+        if isinstance(part, str):
+            raise OSError(f"the checkpoint's files could not be checksummed ({part})")
+        records.update(part)
+    return records
 
 
 def _commit(tmp: str, path: str) -> None:
@@ -46,61 +106,207 @@ def _commit(tmp: str, path: str) -> None:
 
 def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save the sharded model (and optimizer) state to the directory ``path`` with DCP; every rank
-    writes its own shards. Load it at any world size with ``load_checkpoint``."""
+    writes its own shards, and a manifest records every file's size and CRC-32. Load it at any
+    world size with ``load_checkpoint``."""
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
     tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model)
     try:
-        _write(state, tmp)
+        metadata = _write(state, tmp)
+        records = _record_checksums(tmp, metadata, model)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    collectives.barrier(model.mesh.get_group())
+    failure = None
     if model.mesh.get_local_rank() == 0:
-        _commit(tmp, path)
-    collectives.barrier(model.mesh.get_group())
+        try:
+            files.write_manifest(tmp, records)
+            _commit(tmp, path)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = f"{type(exc).__name__}: {exc}"
+    failure = _agree(failure, model)  # every rank waits here for the commit
+    if failure:
+        raise RuntimeError(f"checkpoint '{path}' could not be saved ({failure}); what was at that path is unchanged")
+
+
+def _refusal(path: str, exc: CheckpointError) -> CheckpointError:
+    """``exc`` (which names the file) as the error a load raises: the checkpoint, what was (not)
+    done, and what to do."""
+    if isinstance(exc, UnsafeCheckpointError):
+        advice = (
+            "Nothing in it was run. save_checkpoint never writes such objects: the checkpoint was altered "
+            "or made elsewhere, so load it only if you know who made it"
+        )
+    else:
+        advice = "Restore the checkpoint from a copy or load an earlier one"
+    return type(exc)(f"checkpoint '{path}': {exc}; nothing was loaded. {advice}")
+
+
+def _check_files(path: str) -> dict[str, files.FileRecord] | None:
+    try:
+        return files.check_files(path)
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
+
+
+def _verify(path: str, records: dict[str, files.FileRecord] | None, names: list[str]) -> None:
+    problems = files.verify(path, records, names) if records else []
+    if problems:
+        raise _refusal(path, DamagedCheckpointError("; ".join(problems)))
+
+
+def _read_metadata(path: str, records: dict[str, files.FileRecord] | None) -> Metadata:
+    try:
+        return files.read_metadata(path, records)
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
+
+
+def _warn_unverified(path: str) -> None:
+    warnings.warn(
+        f"checkpoint '{path}' has no {files.MANIFEST} (saved before shardwrap recorded checksums): "
+        f"its files are loaded unverified; save it again to add one",
+        UnverifiedCheckpointWarning,
+        stacklevel=3,
+    )
+
+
+def _optim_template(
+    model: "ShardedModule", optimizer: torch.optim.Optimizer, entries: list[tuple[tuple[str | int, ...], Any]]
+) -> tuple[dict[str, Any], list[str]]:
+    """Scratch tensors for the optimizer entries the checkpoint holds, built from its metadata
+    (the optimizer itself is not touched), and the problems those entries have: state for
+    parameters the optimizer does not hold, state of another shape."""
+    if not entries:
+        return {}, ["it holds no optimizer state: pass optimizer=None to load the model alone"]
+    index = state_dict.optimizer_slots(model, optimizer)
+    rank = model.mesh.get_local_rank()
+    template: dict[str, Any] = {"state": {}, "param_groups": []}
+    unknown: list[str] = []
+    problems: list[str] = []
+    for path, entry in entries:
+        value: Any = None  # a non-tensor entry: DCP puts the loaded value here
+        if path[0] == "state" and len(path) == 3:
+            name, key = str(path[1]), path[2]
+            if name not in index:
+                unknown += [name] if name not in unknown else []
+                continue
+            slot = index[name][1]
+            if isinstance(entry, TensorStorageMetadata):
+                size, dtype = tuple(entry.size), entry.properties.dtype
+                if size and size != tuple(slot.shape):
+                    problems.append(f"shape mismatch for optimizer state '{name}'.{key}: checkpoint {size} vs parameter {tuple(slot.shape)}")
+                    continue
+                if size:  # saved as a Shard(0) DTensor of the parameter's full shape
+                    value = state_dict.as_dtensor(torch.empty(slot.sharded_shape(rank), dtype=dtype), slot, model)
+                else:
+                    value = torch.empty((), dtype=dtype)
+        elif not (path[0] == "param_groups" and len(path) == 3 and isinstance(path[1], int)):
+            continue  # not an optimizer state dict's entry: left out
+        files.set_path(template, path, value)
+    if unknown:
+        problems.insert(0, f"optimizer state for parameters this optimizer does not hold: {state_dict.listed(unknown)}")
+    return template, problems
+
+
+def _scratch(path: str, metadata: Metadata, model: "ShardedModule", optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Scratch copies for DCP to fill, after checking the checkpoint's keys and shapes (from its
+    metadata alone) against the model and optimizer."""
+    found: dict[str, tuple[int, ...] | str] = {}
+    optim_entries = []
+    for key, entry_path in files.entry_paths(metadata).items():
+        entry = metadata.state_dict_metadata[key]
+        if entry_path[0] == "model" and len(entry_path) == 2:
+            found[str(entry_path[1])] = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "non-tensor value"
+        elif entry_path[0] == "optim" and len(entry_path) > 1:
+            optim_entries.append((entry_path[1:], entry))
+    problems = state_dict.key_problems(found, state_dict.expected_shapes(model), strict=True)
+    scratch: dict[str, Any] = {}
+    if optimizer is not None:
+        scratch["optim"], optim_problems = _optim_template(model, optimizer, optim_entries)
+        problems += optim_problems
+    if problems:
+        raise ValueError(
+            f"checkpoint '{path}' does not fit this model{' and optimizer' if optimizer is not None else ''}: "
+            f"{len(problems)} problem(s), nothing was loaded: " + "; ".join(problems)
+            + ". Load it into a model (and optimizer) built like the ones that saved it"
+        )
+    scratch["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return scratch
+
+
+def _read_into(path: str, reader: files.SafeReader, scratch: dict[str, Any], *, no_dist: bool = False) -> None:
+    """DCP fills ``scratch`` from the files, through the safe reader and planner."""
+    try:
+        dcp.load(scratch, storage_reader=reader, planner=files.PlainValuePlanner(path), no_dist=no_dist)
+    except CheckpointException as exc:  # a BaseException: DCP gathered every rank's failure
+        first = exc.failures[min(exc.failures)][0] if exc.failures else exc
+        if isinstance(first, CheckpointError):
+            raise _refusal(path, first) from None
+        raise RuntimeError(
+            f"checkpoint '{path}' could not be loaded into this model ({type(first).__name__}: {first}); "
+            f"the model and optimizer are unchanged"
+        ) from None
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
 
 
 def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by ``save_checkpoint`` at any world size. On any problem the
-    error names the checkpoint and the key, and the model and optimizer are unchanged."""
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"checkpoint '{path}': no DCP checkpoint there (no .metadata file)")
-    scratch: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    """Load a checkpoint written by ``save_checkpoint`` at any world size.
+
+    Raises on every rank, with the model and optimizer unchanged, when a file is damaged
+    (``DamagedCheckpointError``), holds a pickled object other than DCP's metadata, tensors and
+    plain values (``UnsafeCheckpointError``), or does not fit the model or optimizer (``ValueError``
+    naming the first offending keys with both shapes). A checkpoint without a manifest (saved
+    before checksums existed) loads with an ``UnverifiedCheckpointWarning``."""
+    rank, world = model.mesh.get_local_rank(), model.mesh.size()
+    records = _agreed(model, lambda: _check_files(path))
+    if records is None and rank == 0:
+        _warn_unverified(path)
+    metadata = _agreed(model, lambda: _read_metadata(path, records))
+    scratch = _agreed(model, lambda: _scratch(path, metadata, model, optimizer))
+    # Each rank verifies its share of the data files, while DCP reads them where it can.
+    mine = files.share(files.data_files(metadata), rank, world)
+    reader = files.SafeReader(path, metadata, records, verify=mine)
+    _read_into(path, reader, scratch)
+    _agreed(model, lambda: _verify(path, records, [n for n in mine if n not in reader.verified]))
     if optimizer is not None:
-        init_optim_state(optimizer)
-        osd = model.sharded_optim_state_dict(optimizer)
-        scratch["optim"] = {
-            "state": {n: {k: _clone(v) for k, v in entry.items()} for n, entry in osd["state"].items()},
-            "param_groups": osd["param_groups"],
-        }
-    try:
-        dcp.load(scratch, checkpoint_id=path)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise RuntimeError(
-            f"checkpoint '{path}' could not be loaded into this model ({type(exc).__name__}: {exc}); "
-            f"the model and optimizer are unchanged"
-        ) from exc
-    try:
-        model.load_state_dict(scratch["model"])
-        if optimizer is not None:
-            model.load_sharded_optim_state_dict(optimizer, scratch["optim"])
-    except ValueError as exc:
-        raise ValueError(f"checkpoint '{path}': {exc}") from exc
-
-
-def _clone(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+        osd = scratch["optim"]
+        problems = _agreed(model, lambda: state_dict.sharded_optim_problems(model, optimizer, osd))
+        if problems:
+            raise ValueError(
+                f"checkpoint '{path}' does not fit this optimizer: {len(problems)} problem(s), nothing was loaded: "
+                + "; ".join(problems) + ". Build the optimizer with the parameter groups it was saved with"
+            )
+        optimizer.load_state_dict(state_dict.sharded_optim_load(model, optimizer, osd, copy=False))
+    state_dict.commit_writes(model, state_dict.model_writes(model, scratch["model"]))
 
 
 def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:
     """Convert a DCP checkpoint into one ``torch.save`` file of full tensors, atomically.
     Run it in one process; ``torch.load(out_file, weights_only=True)["model"]`` loads into the
-    unwrapped model."""
+    unwrapped model. The checkpoint is verified and read as ``load_checkpoint`` reads it."""
+    records = _check_files(checkpoint_dir)
+    if records is None:
+        _warn_unverified(checkpoint_dir)
+    metadata = _read_metadata(checkpoint_dir, records)
+    state = files.empty_state(metadata)
+    reader = files.SafeReader(checkpoint_dir, metadata, records, verify=files.data_files(metadata))
+    _read_into(checkpoint_dir, reader, state, no_dist=True)
+    _verify(checkpoint_dir, records, [n for n in files.data_files(metadata) if n not in reader.verified])
     tmp = f"{out_file}.tmp-{uuid.uuid4().hex[:8]}"
-    dcp_to_torch_save(checkpoint_dir, tmp)
-    os.replace(tmp, out_file)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ---- single files (torch.save) -------------------------------------------------------------------
 
 
 def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -116,25 +322,32 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     collectives.barrier(model.mesh.get_group())
 
 
-def load_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a ``save_full`` file (or any ``{"model": state_dict}`` file) at any world size."""
-    state: dict[str, Any] = {}
-    problem = None
-    if model.mesh.get_local_rank() == 0:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            problem = f"checkpoint '{path}' could not be read ({type(exc).__name__}: {exc}); the model is unchanged"
-        else:
-            problems = check_full(model, optimizer, state)
-            if problems:
-                problem = f"checkpoint '{path}': {len(problems)} problem(s), nothing was loaded: " + "; ".join(problems)
-    problem = _agree(problem, model)
-    if problem:
-        raise RuntimeError(problem)
+def _read_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The file's contents (tensors and plain values only), checked against model and optimizer."""
     try:
-        model.load_full_state_dict(state.get("model", {}))
-        if optimizer is not None:
-            model.load_full_optim_state_dict(optimizer, state.get("optim", {}))
-    except ValueError as exc:
-        raise ValueError(f"checkpoint '{path}': {exc}") from exc
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        if files.refused_object(exc):
+            unsafe = UnsafeCheckpointError(f"it holds an object that is not a tensor or plain value ({files.gist(exc)}) and was not unpickled")
+            raise _refusal(path, unsafe) from None
+        raise RuntimeError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {exc}); the model is unchanged") from None
+    problems = state_dict.check_full(model, optimizer, state)
+    if problems:
+        raise ValueError(
+            f"checkpoint '{path}': {len(problems)} problem(s), nothing was loaded: " + "; ".join(problems)
+            + ". Load it into a model (and optimizer) built like the ones that saved it"
+        )
+    return state
+
+
+def load_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a ``save_full`` file (or any ``{"model": state_dict}`` file) at any world size. The first
+    rank reads it with ``torch.load(weights_only=True)`` and checks everything before any rank
+    writes anything."""
+    is_src = model.mesh.get_local_rank() == 0
+    state = _agreed(model, lambda: _read_full(path, model, optimizer) if is_src else {})
+    # Checked in full above: the optimizer goes first, since torch's load_state_dict is the one
+    # step with checks of its own; the model's scatter cannot fail after check_full.
+    if optimizer is not None:
+        model.load_full_optim_state_dict(optimizer, state.get("optim", {}))
+    model.load_full_state_dict(state.get("model", {}))

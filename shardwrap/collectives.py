@@ -153,6 +153,18 @@ def broadcast_object(value: Any, group: dist.ProcessGroup) -> Any:
     return box[0]
 
 
+def all_gather_object(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank.
+
+    With 2 ranks, rank 0 passing ``"a"`` and rank 1 passing ``None``, both get ``["a", None]``.
+    Only for values this package built itself (verdicts, checksums), as ``broadcast_object``.
+    """
+    _count("object", 1, len(pickle.dumps(value)))
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def barrier(group: dist.ProcessGroup) -> None:
     """Wait until every rank of ``group`` reached this point."""
     _count("barrier", 0, 0)

@@ -608,8 +608,8 @@ class ShardedModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load ``DTensor`` values (saved at any world size) or full tensors, by original name.
 
-        Every key and shape is checked first; a bad dict raises one error listing every problem
-        and changes nothing.
+        Every key and shape is checked first, on every rank; a bad dict (on any rank) raises one
+        error listing the problems on every rank and changes nothing.
         """
         self._check_idle("load_state_dict")
         missing, unexpected = _sd.load_sharded_or_full(self, state_dict, strict)
@@ -624,11 +624,13 @@ class ShardedModule(nn.Module):
         self._check_idle("full_state_dict")
         return _sd.full_state_dict(self, rank0_only, cpu_offload)
 
-    def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+    def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> Any:
         """Load a full state dict that the mesh's first rank holds (the other ranks pass ``{}``),
-        scattering it unit by unit."""
+        scattering it unit by unit. Returns ``(missing_keys, unexpected_keys)`` on every rank, as
+        ``nn.Module.load_state_dict`` does; keys and shapes are checked before anything is written."""
         self._check_idle("load_full_state_dict")
-        _sd.load_full_state_dict(self, sd, strict)
+        missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
+        return _IncompatibleKeys(missing, unexpected)
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:

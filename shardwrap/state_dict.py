@@ -2,12 +2,13 @@
 for the optimizer (design/notes/state-dicts.md).
 
 Every function here takes the ``ShardedModule`` and works unit by unit. Loads validate
-everything first and raise one error that lists every problem before any tensor is written.
+everything first, agree on the verdict across ranks, and raise one error that lists the problems
+(the first offending keys, with both shapes) on every rank before any tensor is written.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -28,6 +29,13 @@ def _is_param_state(key: str, value: Any, slot: ParamSlot) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(slot.shape)
 
 
+def as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
+    """``local`` (this rank's chunk of something shaped like the parameter of ``slot``) as a
+    DTensor placed like that parameter."""
+    placement = Replicate() if slot.replicated else Shard(0)
+    return DTensor.from_local(local, model.mesh, [placement], run_check=False, shape=slot.shape, stride=slot.stride)
+
+
 def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor:
     """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W."""
     if slot.replicated:
@@ -43,31 +51,62 @@ def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tenso
     return full.narrow(0, slot.first_row(rank), slot.local_rows(rank)).reshape(slot.sharded_shape(rank))
 
 
-def _shape_of(value: Any) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+_SHOWN = 5  # keys named in one error; the count gives the rest
 
 
-def _problems(sd: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], strict: bool) -> list[str]:
+def listed(keys: Sequence[Any]) -> str:
+    """``['a', 'b']``, or the first ``_SHOWN`` keys and how many there are in all."""
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return f"[{shown}]" if len(keys) <= _SHOWN else f"[{shown}, ...] ({len(keys)} in all)"
+
+
+def shapes_of(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...] | str]:
+    """Each value's shape (a DTensor's global shape), or its type's name when it is no tensor."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in sd.items()}
+
+
+def key_problems(
+    found: Mapping[str, tuple[int, ...] | str], expected: Mapping[str, tuple[int, ...]], strict: bool, source: str = "checkpoint"
+) -> list[str]:
+    """What keeps ``found`` (key -> shape, or the type name of a non-tensor) from loading into a
+    model whose state dict has ``expected`` shapes: missing and unexpected keys (when strict) and
+    the first shape mismatches, each with both shapes."""
     problems = []
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    mismatched = [k for k in expected if k in found and found[k] != expected[k]]
     if strict and missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {listed(missing)}")
     if strict and unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    for key, shape in expected.items():
-        if key in sd:
-            got = _shape_of(sd[key])
-            if not isinstance(sd[key], torch.Tensor):
-                problems.append(f"'{key}' is a {type(sd[key]).__name__}, not a tensor")
-            elif got != shape:
-                problems.append(f"shape mismatch for '{key}': checkpoint {got} vs model {shape}")
+        problems.append(f"unexpected keys {listed(unexpected)}")
+    for k in mismatched[:_SHOWN]:
+        got = found[k]
+        if isinstance(got, str):
+            problems.append(f"'{k}' is a {got}, not a tensor")
+        else:
+            problems.append(f"shape mismatch for '{k}': {source} {got} vs model {expected[k]}")
+    if len(mismatched) > _SHOWN:
+        problems.append(f"{len(mismatched) - _SHOWN} more shape mismatches")
     return problems
 
 
-def _raise_problems(what: str, problems: list[str]) -> None:
+def _problems(sd: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], strict: bool) -> list[str]:
+    return key_problems(shapes_of(sd), expected, strict)
+
+
+def agreed_problems(model: "ShardedModule", problems: list[str]) -> list[str]:
+    """Every rank's problems, the same list on every rank (one object all-gather), so that all
+    ranks raise together or none does. Problems only some ranks found name those ranks."""
+    per_rank = collectives.all_gather_object(problems, model.mesh.get_group())
+    if all(p == per_rank[0] for p in per_rank):
+        return list(per_rank[0])
+    return [f"rank {r}: {p}" for r, rank_problems in enumerate(per_rank) for p in rank_problems]
+
+
+def _raise_problems(what: str, problems: list[str], hint: str = "") -> None:
     if problems:
-        raise ValueError(f"{what}: {len(problems)} problem(s), nothing was loaded: " + "; ".join(problems))
+        message = f"{what}: {len(problems)} problem(s), nothing was loaded: " + "; ".join(problems)
+        raise ValueError(message + (f". {hint}" if hint else ""))
 
 
 # ---- model: sharded ---------------------------------------------------------------------------
@@ -75,7 +114,7 @@ def _raise_problems(what: str, problems: list[str]) -> None:
 
 def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     for unit in model.units:
-        unit.lend_views()
+        unit.mark_written()
     out: dict[str, Any] = {}
     for key, value in model.module.state_dict(prefix=prefix, keep_vars=True).items():
         found = model.unit_of(value)
@@ -86,7 +125,7 @@ def sharded_state_dict(model: "ShardedModule", prefix: str = "", keep_vars: bool
     return out
 
 
-def _expected_shapes(model: "ShardedModule") -> dict[str, tuple[int, ...]]:
+def expected_shapes(model: "ShardedModule") -> dict[str, tuple[int, ...]]:
     shapes = {}
     for key, value in model.module.state_dict(keep_vars=True).items():
         found = model.unit_of(value)
@@ -95,28 +134,39 @@ def _expected_shapes(model: "ShardedModule") -> dict[str, tuple[int, ...]]:
 
 
 def load_sharded_or_full(model: "ShardedModule", sd: Mapping[str, Any], strict: bool) -> tuple[list[str], list[str]]:
-    """Load DTensor (any world size) or full values; every rank passes its own dict."""
-    expected = _expected_shapes(model)
-    _raise_problems("load_state_dict", _problems(sd, expected, strict))
+    """Load DTensor (any world size) or full values; every rank passes its own dict. Every rank's
+    verdict is agreed on first, so all ranks raise together and nothing is written on any."""
+    expected = expected_shapes(model)
+    _raise_problems("load_state_dict", agreed_problems(model, _problems(sd, expected, strict)))
+    commit_writes(model, model_writes(model, sd))
+    return [k for k in expected if k not in sd], [k for k in sd if k not in expected]
+
+
+def model_writes(model: "ShardedModule", sd: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(destination, value)`` for every key of ``sd`` that the model has, each value converted to
+    this rank's chunk (a collective when it was saved at another world size). Writes nothing:
+    validate ``sd`` first, then ``commit_writes``."""
     rank = model.mesh.get_local_rank()
-    buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    params: list[tuple["Unit", int, torch.Tensor]] = []
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # parameters: into their local views
     for key, target in model.module.state_dict(keep_vars=True).items():
         if key not in sd:
             continue
         found = model.unit_of(target)
         if found is None:
             value = sd[key].full_tensor() if isinstance(sd[key], DTensor) else sd[key]
-            buffers.append((target, value))
+            writes.append((target, value))
         else:
             unit, i = found
-            params.append((unit, i, _local_chunk(sd[key], unit.layout.slots[i], rank)))
-    with torch.no_grad():  # everything validated and converted: now write
-        for target, value in buffers:
+            writes.append((unit.local_param(i), _local_chunk(sd[key], unit.layout.slots[i], rank)))
+    return writes
+
+
+def commit_writes(model: "ShardedModule", writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for target, value in writes:
             target.copy_(value)
-    for unit, i, value in params:
-        unit.write_param(i, value)  # an unsharded copy is stale afterwards (unit.py)
-    return [k for k in expected if k not in sd], [k for k in sd if k not in expected]
+    for unit in model.units:
+        unit.mark_written()  # the local views bump no version counter: an unsharded copy is stale
 
 
 # ---- model: full ------------------------------------------------------------------------------
@@ -141,13 +191,17 @@ def full_state_dict(model: "ShardedModule", rank0_only: bool, cpu_offload: bool)
     return out
 
 
-def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: bool) -> None:
+def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """The mesh's first rank reads ``sd`` (the others pass ``{}``); shards are scattered unit by
-    unit and buffers broadcast."""
+    unit and buffers broadcast. Every rank returns the first rank's missing and unexpected keys."""
     group = model.mesh.get_group()
     is_src = model.mesh.get_local_rank() == 0
-    problems = collectives.broadcast_object(_problems(sd, _expected_shapes(model), strict) if is_src else None, group)
-    _raise_problems("load_full_state_dict", problems)
+    verdict = None
+    if is_src:
+        expected = expected_shapes(model)
+        verdict = (_problems(sd, expected, strict), [k for k in expected if k not in sd], [k for k in sd if k not in expected])
+    problems, missing, unexpected = collectives.broadcast_object(verdict, group)
+    _raise_problems("load_full_state_dict", problems, "Load it into the model it was saved from, or pass strict=False to leave out missing and unexpected keys")
     names = _names_by_id(model)
     for unit in model.units:
         _scatter_unit(unit, sd, names, is_src, group)
@@ -158,6 +212,7 @@ def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: 
             for key, buf in targets:
                 buf.copy_(sd[key])
     collectives.broadcast_tensors([b for _, b in targets], group)
+    return missing, unexpected
 
 
 def _names_by_id(model: "ShardedModule") -> dict[int, list[str]]:
@@ -245,10 +300,9 @@ def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, ra
 
 def load_full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
     osd = collectives.broadcast_object(osd if model.mesh.get_local_rank() == 0 else None, model.mesh.get_group())  # the whole dict at once
+    # Every rank holds the same dict now, so every rank reaches the same verdict.
+    _raise_problems("load_full_optim_state_dict", full_optim_problems(model, opt, osd), _OPTIM_HINT)
     params = _opt_params(opt)
-    slots = [_slot_of(model, p) for p in params]
-    problems = _optim_problems(params, osd, lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].shape))
-    _raise_problems("load_full_optim_state_dict", problems)
     rank = model.mesh.get_local_rank()
     state = {}
     for idx, entry in osd["state"].items():
@@ -261,23 +315,71 @@ def load_full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimize
     opt.load_state_dict({"state": state, "param_groups": osd["param_groups"]})
 
 
-def _optim_problems(params: list[torch.Tensor], osd: Any, full_shape: Callable[[int], tuple[int, ...]]) -> list[str]:
-    if not isinstance(osd, Mapping) or "state" not in osd or "param_groups" not in osd:
-        return ["expected a dict with 'state' and 'param_groups'"]
+_OPTIM_HINT = "Build the optimizer with the parameter groups it was saved with"
+
+
+def _well_formed(osd: Any) -> str | None:
+    if not isinstance(osd, Mapping) or not isinstance(osd.get("state"), Mapping) or not isinstance(osd.get("param_groups"), list):
+        return "no optimizer state (a dict with 'state' and 'param_groups'); pass optimizer=None to load the model alone"
+    if not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in osd["param_groups"]):
+        return "param_groups that are not dicts with a 'params' list"
+    return None
+
+
+def group_problems(saved: list[list[str]], live: list[list[str]]) -> list[str]:
+    """How the saved parameter groups (by name) differ from the optimizer's: the group count, then
+    for each group the parameters only one side has."""
+    if len(saved) != len(live):
+        return [
+            f"the checkpoint's optimizer has {len(saved)} param group(s) of {[len(g) for g in saved]} parameters, "
+            f"this optimizer {len(live)} of {[len(g) for g in live]}"
+        ]
     problems = []
-    sizes = [len(g["params"]) for g in osd["param_groups"]]
-    if sum(sizes) != len(params):
-        problems.append(f"the checkpoint's param_groups hold {sum(sizes)} parameters, the optimizer {len(params)}")
-        return problems
-    for idx, entry in osd["state"].items():
-        if not 0 <= int(idx) < len(params):
-            problems.append(f"state for parameter index {idx}, which the optimizer does not have")
+    for i, (s, mine) in enumerate(zip(saved, live)):
+        if len(s) == len(mine) and set(s) == set(mine):
             continue
-        shape = full_shape(int(idx))
-        for k, v in entry.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shape:
-                problems.append(f"shape mismatch for state {idx}.{k}: checkpoint {tuple(v.shape)} vs parameter {shape}")
+        message = f"param group {i} holds {len(s)} parameters in the checkpoint, {len(mine)} in this optimizer"
+        only_saved, only_live = [p for p in s if p not in mine], [p for p in mine if p not in s]
+        if only_saved:
+            message += f"; only in the checkpoint's: {listed(only_saved)}"
+        if only_live:
+            message += f"; only in this optimizer's: {listed(only_live)}"
+        problems.append(message)
     return problems
+
+
+def _state_shape_problems(state: Mapping[Any, Any], shape_of: Callable[[Any], tuple[int, ...]], name: Callable[[Any], str]) -> list[str]:
+    problems = []
+    for key, entry in state.items():
+        shape = shape_of(key)
+        for k, v in (entry.items() if isinstance(entry, Mapping) else []):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shape:
+                problems.append(f"shape mismatch for optimizer state {name(key)}.{k}: checkpoint {tuple(v.shape)} vs parameter {shape}")
+    return problems
+
+
+def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Any) -> list[str]:
+    """Every problem a full optimizer state dict (integer keys, as a plain optimizer's) has for
+    ``opt``: groups of other sizes (then its indices mean other parameters, so nothing more is
+    checked), state for indices the optimizer lacks, state of other shapes."""
+    bad = _well_formed(osd)
+    if bad:
+        return [bad]
+    params = _opt_params(opt)
+    saved_sizes = [len(g["params"]) for g in osd["param_groups"]]
+    live_sizes = [len(g["params"]) for g in opt.param_groups]
+    if saved_sizes != live_sizes:
+        return [
+            f"the checkpoint's optimizer has {len(saved_sizes)} param group(s) of {saved_sizes} parameters, "
+            f"this optimizer {len(live_sizes)} of {live_sizes} (a full optimizer state dict pairs parameters by position)"
+        ]
+    slots = [_slot_of(model, p) for p in params]
+    fqn = [h.layout.slots[i].fqn for h, i in slots]
+    outside = [k for k in osd["state"] if not (isinstance(k, int) and 0 <= k < len(params))]
+    problems = [f"state for parameter indices this optimizer does not have: {listed(outside)}"] if outside else []
+    inside = {k: v for k, v in osd["state"].items() if k not in outside}
+    shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].shape)  # noqa: E731
+    return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
 
 
 def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -298,37 +400,69 @@ def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer)
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
-    params = _opt_params(opt)
+def optimizer_slots(model: "ShardedModule", opt: torch.optim.Optimizer) -> dict[str, tuple[int, ParamSlot]]:
+    """Each of the optimizer's parameters by original name: its position in the optimizer's
+    parameter order and its slot in the unit layout."""
     index = {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(_opt_params(opt)):
         handle, j = _slot_of(model, p)
         index[handle.layout.slots[j].fqn] = (i, handle.layout.slots[j])
+    return index
+
+
+def _group_names(model: "ShardedModule", opt: torch.optim.Optimizer) -> list[list[str]]:
+    """The original names of each param group's parameters, in the group's order."""
+    names = []
+    for group in opt.param_groups:
+        slots = [_slot_of(model, p) for p in group["params"]]
+        names.append([handle.layout.slots[i].fqn for handle, i in slots])
+    return names
+
+
+def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Any) -> list[str]:
+    """Every problem a sharded optimizer state dict (keyed by parameter name) has for ``opt``:
+    parameters it does not hold, groups that differ, state of other shapes."""
+    bad = _well_formed(osd)
+    if bad:
+        return [bad]
+    index = optimizer_slots(model, opt)
+    saved = [list(g["params"]) for g in osd["param_groups"]]
+    named = list(dict.fromkeys([*osd["state"], *(n for g in saved for n in g)]))
+    unknown = [n for n in named if n not in index]
     problems = []
-    names = [n for g in osd.get("param_groups", []) for n in g["params"]]
-    unknown = [n for n in list(osd.get("state", {})) + names if n not in index]
     if unknown:
-        problems.append(f"parameters not in this model's optimizer: {sorted(set(unknown))}")
-    if sorted(names) != sorted(index) and not unknown:
-        problems.append(f"param_groups cover {len(names)} parameters, the optimizer {len(index)}")
-    for name, entry in osd.get("state", {}).items():
-        if name in index:
-            shape = tuple(index[name][1].shape)
-            for k, v in entry.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shape:
-                    problems.append(f"shape mismatch for state '{name}'.{k}: checkpoint {tuple(v.shape)} vs parameter {shape}")
-    _raise_problems("load_sharded_optim_state_dict", problems)
+        problems.append(f"optimizer state for parameters this optimizer does not hold: {listed(unknown)}")
+    problems += group_problems(saved, _group_names(model, opt))
+    known = {n: e for n, e in osd["state"].items() if n in index}
+    return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].shape), lambda n: f"'{n}'")
+
+
+def sharded_optim_load(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any], *, copy: bool = True) -> dict[str, Any]:
+    """The dict for ``opt.load_state_dict``: this rank's chunk of every state tensor (a collective
+    when the world size changed), each saved group's options over the optimizer's own parameters
+    of that group. Call it after ``sharded_optim_problems`` found nothing; it writes nothing.
+    ``copy=False`` lets the optimizer keep the given tensors (scratch copies nobody else holds)."""
+    index = optimizer_slots(model, opt)
     rank = model.mesh.get_local_rank()
-    state = {}
+    state: dict[int, dict[str, Any]] = {}
     for name, entry in osd["state"].items():
         i, slot = index[name]
-        unit = _slot_of(model, params[i])[0]
-        state[i] = {
-            k: unit.as_dtensor(_local_chunk(v, slot, rank).clone(), slot) if _is_param_state(k, v, slot) else v
-            for k, v in entry.items()
-        }
-    groups = [{**g, "params": [index[n][0] for n in g["params"]]} for g in osd["param_groups"]]
-    opt.load_state_dict({"state": state, "param_groups": groups})
+        state[i] = {}
+        for k, v in entry.items():
+            if _is_param_state(k, v, slot):  # sharded like its parameter: a DTensor again
+                local = _local_chunk(v, slot, rank)
+                v = as_dtensor(local.clone() if copy else local, slot, model)
+            state[i][k] = v
+    # Same names in each group (checked), listed in the optimizer's own order: torch pairs the
+    # saved parameters with its own by position.
+    groups = [{**g, "params": [index[n][0] for n in names]} for g, names in zip(osd["param_groups"], _group_names(model, opt))]
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
+    problems = agreed_problems(model, sharded_optim_problems(model, opt, osd))
+    _raise_problems("load_sharded_optim_state_dict", problems, _OPTIM_HINT)
+    opt.load_state_dict(sharded_optim_load(model, opt, osd))
 
 
 def init_optim_state(opt: torch.optim.Optimizer) -> None:
@@ -356,9 +490,7 @@ def check_full(model: "ShardedModule", opt: torch.optim.Optimizer | None, state:
     optimizer, so that loading can refuse before changing either."""
     if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
         return ["expected a dict with a 'model' state dict"]
-    problems = _problems(state["model"], _expected_shapes(model), True)
+    problems = _problems(state["model"], expected_shapes(model), True)
     if opt is not None:
-        params = _opt_params(opt)
-        slots = [_slot_of(model, p) for p in params]
-        problems += _optim_problems(params, state.get("optim"), lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].shape))
+        problems += full_optim_problems(model, opt, state.get("optim"))
     return problems

@@ -365,10 +365,10 @@ class Unit:
             self._local_params[i].copy_(local)
         self._writes += 1
 
-    def lend_views(self) -> None:
-        """Views of the shard were handed out (``state_dict()``): whatever writes into them
-        in place (``torch.distributed.checkpoint.load`` does) bumps no version counter, so the
-        next forward gathers again."""
+    def mark_written(self) -> None:
+        """The shard was (or may be) written through its local views, which bump no version
+        counter: a load, or views handed out by ``state_dict()`` that
+        ``torch.distributed.checkpoint.load`` fills in place. The next forward gathers again."""
         self._writes += 1
 
     def local_param(self, i: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import models
 from harness import run_on_ranks
-from parity import Case, build_model, build_optimizer, check_parity, compare, global_batch, loss_fn, resolve_policy, train_reference
+from test_checkpoint import make, train
+from parity import Case, build_model, check_parity, compare, train_reference
 
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
@@ -79,28 +80,12 @@ def test_torch_clip_grad_norm_with_replicated_parameters_and_gpt2():
 # ---- torch.distributed.checkpoint.state_dict ------------------------------------------------------
 
 
-def _train(model, opt, case: Case, steps: range) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for step in steps:
-        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
-        loss_fn(case, model, batch).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _make(case: Case):
-    from shardwrap import ShardedModule
-
-    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
-    return model, build_optimizer(case, model)
-
-
 def on_ranks_save(case: Case, path: str, steps: int, full: bool) -> list[str]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, opt = _make(case)
-    _train(model, opt, case, range(steps))
+    model, opt = make(case)
+    train(case, model, opt, range(steps))
     if full:
         msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
@@ -116,7 +101,7 @@ def on_ranks_resume(case: Case, path: str, start: int, full: bool) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model, opt = _make(case)
+    model, opt = make(case)
     if full:
         state = torch.load(path, weights_only=True)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -126,7 +111,7 @@ def on_ranks_resume(case: Case, path: str, start: int, full: bool) -> dict:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    _train(model, opt, case, range(start, case.steps))
+    train(case, model, opt, range(start, case.steps))
     return {
         "full": model.full_state_dict(),
         "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
@@ -163,13 +148,13 @@ def on_ranks_template(case: Case, path: str) -> dict:
     created first), so DCP fills every entry."""
     import torch.distributed.checkpoint as dcp
 
-    model, opt = _make(case)
+    model, opt = make(case)
     template = {"model": model.state_dict(), "optim": model.sharded_optim_state_dict(opt)}
     dcp.load(template, checkpoint_id=path)
     model.load_state_dict(template["model"])
     model.load_sharded_optim_state_dict(opt, template["optim"])
     states = sum(len(s) for s in opt.state.values())
-    _train(model, opt, case, range(2, case.steps))
+    train(case, model, opt, range(2, case.steps))
     return {"full": model.full_state_dict(), "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
             "losses": [0.0] * case.steps, "norms": [], "states": states}
 

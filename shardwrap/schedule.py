@@ -79,6 +79,10 @@ class CollectiveSchedule:
         if unit not in self.post_forward:
             self.post_forward.append(unit)
 
+    def ended_last_forward(self, unit: Unit) -> bool:
+        """Whether ``unit`` was the last unit to start its forward in the previous step."""
+        return bool(self.last_forward) and self.last_forward[-1] is unit
+
     def arrived(self, unit: Unit) -> None:
         """``unit`` is about to run: it no longer counts as gathered ahead."""
         self.prefetched.discard(unit)

@@ -455,7 +455,10 @@ class Unit:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
             root.schedule.record_post_forward(self)
             root.expect_backward = True
-        if self.stage.reshard_after_forward:
+        # Backward gathers the root first and then the unit that ended the forward: resharding
+        # them here would only gather them again at once (design/notes/prefetch.md).
+        backward_next = wants_grad and module.training and (self.index == 0 or root.schedule.ended_last_forward(self))
+        if self.stage.reshard_after_forward and not backward_next:
             self.reshard()
         if self.index == 0:
             root.root_post_forward()

@@ -74,27 +74,39 @@ def on_ranks_collectives(case: Case) -> dict:
     from shardwrap.collectives import count_collectives
 
     model = wrap(case)
-    batch = {k: v.chunk(dist.get_world_size())[dist.get_rank()] for k, v in global_batch(case, 0).items()}
-    with count_collectives() as fwd:
-        loss = model(batch["x"]).pow(2).mean()
-    with count_collectives() as bwd:
-        loss.backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for step in range(2):
+        batch = {k: v.chunk(dist.get_world_size())[dist.get_rank()] for k, v in global_batch(case, step).items()}
+        with count_collectives() as fwd:
+            loss = model(batch["x"]).pow(2).mean()
+        with count_collectives() as bwd:
+            loss.backward()
+        opt.step()
+        counts.append({"fwd": dict(fwd), "bwd": dict(bwd)})
     units = len(model.units)
     shard_numel = sum(h.layout.shard_numel + 1 for h in model.units)
     grad_numel = sum(h.layout.grad_shard_numel + 1 for h in model.units)
-    return {"units": units, "fwd": dict(fwd), "bwd": dict(bwd), "shard": shard_numel, "grad": grad_numel}
+    order = [h.name for h in model.units]  # the root first, then the blocks in forward order
+    return {"units": units, "steps": counts, "shard": shard_numel, "grad": grad_numel, "order": order}
 
 
 def test_one_all_gather_per_unshard_and_one_reduce_scatter_per_unit():
     world = 3
     for r in run_on_ranks(world, on_ranks_collectives, Case("mlp", policy="Block")):
-        assert r["fwd"]["all_gather_calls"] == r["units"], r
-        assert r["fwd"]["all_gather"] == r["shard"], r
-        assert "reduce_scatter" not in r["fwd"], r
-        # stage 3: every unit is gathered again for backward, and reduce-scattered once
-        assert r["bwd"]["all_gather_calls"] == r["units"], r
-        assert r["bwd"]["reduce_scatter_calls"] == r["units"], r
-        assert r["bwd"]["reduce_scatter"] == world * r["grad"], r
+        assert r["order"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], r["order"]
+        for step, c in enumerate(r["steps"]):
+            # every unit is gathered for forward (the step made the kept ones stale)
+            assert c["fwd"]["all_gather_calls"] == r["units"], r
+            assert c["fwd"]["all_gather"] == r["shard"], r
+            assert "reduce_scatter" not in c["fwd"], r
+            # stage 3 gathers every unit again for backward but the root, which stays unsharded
+            # from forward, and from the second step on the unit that ended the last forward
+            # (blocks.2): backward needs both first (design/notes/prefetch.md)
+            kept = 1 if step == 0 else 2
+            assert c["bwd"]["all_gather_calls"] == r["units"] - kept, (step, c)
+            assert c["bwd"]["reduce_scatter_calls"] == r["units"], r
+            assert c["bwd"]["reduce_scatter"] == world * r["grad"], r
 
 
 # ---- forward without backward -----------------------------------------------------------------
@@ -105,30 +117,46 @@ def on_ranks_forward_only(case: Case) -> dict:
 
     model = wrap(case)
     x = global_batch(case, 0)["x"]
-    outs = {}
+    outs, unsharded = {}, {}
+
+    def unsharded_units() -> list[str]:
+        return [h.name for h in model.units if h.data_state is not DataState.SHARDED]
+
     with torch.no_grad():
         outs["no_grad"] = model(x)
+    unsharded["no_grad"] = unsharded_units()
     model.eval()
     outs["eval_grad_enabled"] = model(x).detach()  # graph built, never backpropagated
+    unsharded["eval_grad_enabled"] = unsharded_units()
     model.train()
-    for _ in range(5):
-        model(x)  # grad-enabled forwards with no backward: nothing may stay unsharded
-    states = [h.data_state is DataState.SHARDED for h in model.units]
+    for i in range(5):
+        model(x)  # grad-enabled training forwards with no backward (yet)
+        unsharded[f"train_{i}"] = unsharded_units()
     unsharded_bytes = sum(h.unsharded_buffer.untyped_storage().nbytes() for h in model.units)
+    largest = [h.layout.padded_unsharded_numel * 4 for h in model.units]
     # Then a normal step still works.
     model(x).pow(2).mean().backward()
     grads = all(p.grad is not None for p in model.parameters())
-    return {"sharded": all(states), "unsharded_bytes": unsharded_bytes, "grads": grads, "outs": outs}
+    unsharded["after_backward"] = unsharded_units()
+    return {"unsharded": unsharded, "unsharded_bytes": unsharded_bytes, "sizes": largest, "grads": grads, "outs": outs}
 
 
-def test_forward_without_backward_leaves_nothing_unsharded():
+def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
+    """No-grad and eval forwards leave every unit sharded. A training forward keeps the root
+    unsharded, and from its second step the unit that ended the last forward: backward gathers
+    those two first (design/notes/prefetch.md). Nothing else stays, however many forwards run."""
     case = Case("mlp", policy="Block")
     reference = build_model(case)
     x = global_batch(case, 0)["x"]
     with torch.no_grad():
         expected = reference(x)
     for r in run_on_ranks(2, on_ranks_forward_only, case):
-        assert r["sharded"] and r["unsharded_bytes"] == 0 and r["grads"], r
+        u = r["unsharded"]
+        assert u["no_grad"] == u["eval_grad_enabled"] == u["after_backward"] == [], u
+        # the eval forward already recorded a trace, so the first training forward knows the last unit
+        assert all(u[f"train_{i}"] == ["<root>", "blocks.2"] for i in range(5)), u
+        assert r["unsharded_bytes"] == r["sizes"][0] + r["sizes"][-1], r
+        assert r["grads"], r
         for out in r["outs"].values():
             torch.testing.assert_close(out, expected)
 

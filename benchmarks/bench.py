@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import RecipeMLP, apply_ac, apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
+from common import HeapPeak, RecipeMLP, apply_ac, apply_fully_shard  # benchmarks/common.py (the script's folder is on sys.path)
 from shardwrap.memory import (
     CATEGORIES, LiveStorages, model_state_bytes, optimizer_states, state_classifier, unsharded_tensors,
 )
@@ -37,6 +37,8 @@ p.add_argument("--steps", type=int, default=4, help="timed steps per implementat
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
 p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
+p.add_argument("--compile", action="store_true", help="add 'fully_shard compiled' and 'shardwrap s3 compiled': every "
+               "block .compile(fullgraph=True) before wrapping (torchtitan's recipe); their compile time is reported")
 p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always "
                "run); the '+AC' ones run on gpt2 by default and on mlp only when named here")
 args = p.parse_args()
@@ -51,6 +53,11 @@ IMPLS = [
     # activation checkpointing (non-reentrant checkpoint_wrapper around every block, applied before wrapping)
     "fsdp1 FULL_SHARD +AC", "fully_shard +AC", "shardwrap s3 +AC",
 ]
+if args.compile:
+    IMPLS += ["fully_shard compiled", "shardwrap s3 compiled"]
+    import torch._inductor.config
+
+    torch._inductor.config.force_disable_caches = True  # compile for real each time: the compile times are the point
 AC_MODELS = {"gpt2"}  # the '+AC' rows run by default only here (the MLP's activations are tiny)
 if args.impls:
     IMPLS = [i for i in IMPLS if i in {"ddp", "fully_shard", *args.impls.split(",")}]
@@ -65,6 +72,7 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
     "shardwrap s1": lambda W: 8 + 8 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
     "shardwrap s3 no-prefetch": lambda W: 16 / W,
     "fsdp1 FULL_SHARD +AC": lambda W: 16 / W, "fully_shard +AC": lambda W: 16 / W, "shardwrap s3 +AC": lambda W: 16 / W,
+    "fully_shard compiled": lambda W: 16 / W, "shardwrap s3 compiled": lambda W: 16 / W,
 }
 
 
@@ -116,6 +124,13 @@ def wrap(impl: str, name: str):
     from shardwrap import ShardedModule
 
     model, units = build(name)
+    if impl.endswith(" compiled"):
+        import torch._dynamo as dynamo
+
+        dynamo.reset()  # every compiled implementation compiles from scratch: the compile times compare
+        for block in [m for m in model.modules() if isinstance(m, tuple(units))]:
+            block.compile(fullgraph=True)
+        impl = impl.removesuffix(" compiled")
     if impl.endswith("+AC"):
         apply_ac(model, units)  # the blocks stay findable: the policies below still make each one a unit
         impl = impl.removesuffix(" +AC")
@@ -203,6 +218,7 @@ results: dict[tuple[str, str], dict] = {}
 for name in args.models.split(","):
     impls = impls_for(name)
     times: dict[str, list[float]] = {i: [] for i in impls}
+    first_step: dict[str, list[float]] = {i: [] for i in impls}  # the first warm-up step (compiles, if anything does)
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
         order = impls if rnd % 2 == 0 else impls[::-1]  # interleave, alternating the order
@@ -212,7 +228,8 @@ for name in args.models.split(","):
                 dist.barrier()
                 continue
             model, opt = wrap(impl, name)
-            run_steps(impl, name, model, opt, args.warmup)
+            w, _ = run_steps(impl, name, model, opt, args.warmup)
+            first_step[impl].append(w[0])
             t, l = run_steps(impl, name, model, opt, args.steps, start=args.warmup)
             times[impl] += t
             losses[impl] = l[-1]  # this rank's loss on its part of the batch
@@ -229,6 +246,18 @@ for name in args.models.split(","):
             continue
         model, opt = wrap(impl, name)
         run_steps(impl, name, model, opt, 1)  # optimizer state exists from here on
+        heap = None
+        if impl.endswith(" compiled") or f"{impl} compiled" in impls:  # compiled and eager alike, with HeapPeak
+            with HeapPeak() as heap:
+                run_steps(impl, name, model, opt, 1, start=1)
+        if impl.endswith(" compiled"):  # torch.compile will not run under the tracker's dispatch mode
+            loss_of(name, model, batch(name, 2, local=True)).backward()
+            opt.step()
+            memory[impl] = {"peak": None, "steady": None, **model_state_bytes(model, opt), "at_peak": None,
+                            "heap_peak": heap.peak, "psi": sum(q.numel() for q in build(name)[0].parameters())}
+            del model, opt
+            release_memory()
+            continue
         tracker = Tracker(list(model.parameters()) + list(model.buffers()) + unsharded_tensors(model), every=1,
                                classify=state_classifier(model, opt))
         tracker.track(optimizer_states(opt))  # created before the tracker
@@ -243,13 +272,14 @@ for name in args.models.split(","):
         memory[impl] = {"peak": tracker.peak, "steady": steady, **split, "at_peak": tracker.peak_split}
         psi = sum(q.numel() for q in build(name)[0].parameters())
         memory[impl]["psi"] = psi
+        memory[impl]["heap_peak"] = None if heap is None else heap.peak
         tracker.classify = None  # the tracker and its hooks form a cycle: free the model now
         del model, opt, tracker
         release_memory()
         if impl == "single":
             dist.barrier()
     # Gather rank 0's and rank 1's figures.
-    mine = {"times": times, "losses": losses, "memory": memory}
+    mine = {"times": times, "first_step": first_step, "losses": losses, "memory": memory}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     results[name] = everyone
@@ -284,6 +314,10 @@ if rank == 0:
             peak1 = ranks[1]["memory"].get(impl, {}).get("peak") if world > 1 else None
             model_state = m0["params"] + m0["grads"] + m0["optim"]
             formula = ZERO[impl](world if impl != "single" else 1) * psi  # bytes
+            if m0["peak"] is None:  # compiled: no tracker (see the compiled line below the table)
+                lines.append(f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {global_loss(ranks, impl):.5f} | - | - | - | - | "
+                             f"{model_state / formula:.3f} |")
+                continue
             split = " / ".join(f"{m0['at_peak'][c] / 2**20:.1f}" for c in CATEGORIES)
             lines.append(
                 f"| {impl} | {med:.0f} | {med / (ref * 1e3):.2f} | {global_loss(ranks, impl):.5f} | "
@@ -303,6 +337,18 @@ if rank == 0:
         worst = max(impls, key=lambda i: abs(global_loss(ranks, i) - ref_loss))
         lines.append(f"\nLoss check: the largest difference from ddp's global loss ({ref_loss:.7f}) is "
                      f"{abs(global_loss(ranks, worst) - ref_loss):.2e} ({worst}).")
+        compiled = [(i.removesuffix(" compiled"), i) for i in impls if i.endswith(" compiled") and i.removesuffix(" compiled") in impls]
+        if compiled:
+            step = lambda i: statistics.median(r0["times"][i]) * 1e3  # noqa: E731
+            compile_s = lambda i: statistics.median(r0["first_step"][i]) - statistics.median(r0["times"][i])  # noqa: E731
+            heap = lambda i: r0["memory"][i]["heap_peak"] / 2**20  # noqa: E731
+            lines.append("\nCompiled (every block `.compile(fullgraph=True)` before wrapping; rank 0, eager -> compiled): " + "; ".join(
+                f"{base}: step {step(base):.0f} -> {step(c):.0f} ms ({step(c) / step(base):.2f}x), step's heap peak "
+                f"{heap(base):.1f} -> {heap(c):.1f} MiB, compile time {compile_s(c):.1f} s" for base, c in compiled) + ". "
+                "Compile time is the first step's time less a steady step's (median over rounds; Dynamo is reset before each "
+                "compiled model). The heap peak is the most heap in use during one step above its level before the step "
+                "(glibc's mallinfo2 polled by a thread, `HeapPeak` in benchmarks/common.py), for eager and compiled alike: "
+                "torch.compile will not run under the tracker that gives the table's peaks.")
         ac = [(i.removesuffix(" +AC"), i) for i in impls if i.endswith("+AC") and i.removesuffix(" +AC") in impls]
         if ac:
             act = lambda i: r0["memory"][i]["at_peak"]["activations"] / 2**20  # noqa: E731
@@ -331,7 +377,7 @@ if rank == 0:
             ax = axes[row][0]
             bottom = [0.0] * len(labels)
             for cat in CATEGORIES:
-                vals = [r0["memory"][i]["at_peak"][cat] / 2**20 for i in labels]
+                vals = [(r0["memory"][i]["at_peak"] or {cat: 0})[cat] / 2**20 for i in labels]
                 ax.bar(labels, vals, bottom=bottom, label=cat)
                 bottom = [b + v for b, v in zip(bottom, vals)]
             ax.set_title(f"{name}: rank-0 peak memory by category (MiB)")

@@ -12,7 +12,8 @@ check fails:
    reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
    s3 and s3 without prefetch beside fully_shard (reshard_after_forward True and False), FSDP1
-   FULL_SHARD and DDP, on the same model and data;
+   FULL_SHARD and DDP, on the same model and data, and shardwrap s3 and fully_shard with every
+   block compiled (torch.compile, fullgraph) with their first step's time (the compile);
 4. the main job: examples/train_gpt2.py under torchrun with nccl, unchanged, in bf16.
 
 With one rank the collectives move no bytes across GPUs but still run as NCCL work on NCCL's
@@ -95,6 +96,13 @@ def wrap(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, units = build()
+    if impl.endswith(" compiled"):  # torchtitan's recipe: every block compiled (fullgraph) before sharding
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        for block in [m for m in model.modules() if isinstance(m, tuple(units))]:
+            block.compile(fullgraph=True)
+        impl = impl.removesuffix(" compiled")
     if impl == "single":
         pass
     elif impl == "ddp":
@@ -219,14 +227,15 @@ report["overlap"] = overlap
 # ---- 3. speed and memory ------------------------------------------------------------------------
 speed = {}
 for impl in ["ddp", "fsdp1 FULL_SHARD", "fully_shard", "fully_shard raf=False", "shardwrap s1", "shardwrap s2",
-             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16"]:
+             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16", "fully_shard compiled", "shardwrap s3 compiled"]:
     model, opt = wrap(impl)
-    train(model, opt, WARMUP)
+    _, warm = train(model, opt, WARMUP)
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     losses, times = train(model, opt, STEPS, start=WARMUP)
     peak = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else float("nan")
-    speed[impl] = {"step_ms": statistics.median(times), "peak_mib": peak, "loss": losses[-1]}
+    speed[impl] = {"step_ms": statistics.median(times), "peak_mib": peak, "loss": losses[-1],
+                   "first_step_s": warm[0] / 1e3}  # with compile: compile time + one step
     del model, opt
     if ON_GPU:
         torch.cuda.empty_cache()
@@ -271,6 +280,9 @@ lines += ["\n## Step time and peak memory (one rank)\n", "| impl | step ms | / f
           "|---|---|---|---|---|---|"]
 lines += [f"| {k} | {v['step_ms']:.1f} | {v['time / fully_shard']:.2f} | {v['peak_mib']:.0f} | {v['peak / fully_shard']:.3f} | {v['loss']:.4f} |"
           for k, v in speed.items()]
+lines += ["\nCompiled rows: every GPT-2 block `.compile(fullgraph=True)` before wrapping; first step (compile + one step): "
+          + ", ".join(f"{k} {v['first_step_s']:.1f} s" for k, v in speed.items() if k.endswith("compiled"))
+          + f" (eager fully_shard {speed['fully_shard']['first_step_s']:.1f} s)."]
 lines += [f"\n## Main job\n\n`{' '.join(cmd[1:])}`: exit {run.returncode}, loss {main_job['loss']}\n"]
 lines += ["\n## Result\n", "all checks passed" if not failures else "FAILED:\n" + "\n".join(f"- {f}" for f in failures)]
 text = "\n".join(lines) + "\n"

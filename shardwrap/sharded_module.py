@@ -26,7 +26,7 @@ from shardwrap import state_dict as _sd
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
-from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of
+from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
 from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -119,6 +119,21 @@ def _plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[_UnitPla
         unit.fqns = [unit.fqns[i] for i in order]
         unit.slots = [unit.slots[i] for i in order]
     return [u for u in units if u.params or u.parent is None]
+
+
+def _checkpoint_wrappers(root: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> the activation-checkpointing wrapper (torch's ``checkpoint_wrapper``) around it.
+
+    A unit whose module sits in such a wrapper gets its hooks on the wrapper: the unit's forward
+    then encloses the checkpointed call instead of running inside it, so ``torch.compile`` of the
+    wrapper (torchtitan's AC + compile) sees no hook inside the checkpoint region, where it could
+    not leave the graph (design/notes/torch-compile.md)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return {
+        id(m._checkpoint_wrapped_module): m for m in root.modules()
+        if isinstance(m, ActivationWrapper) and isinstance(m._checkpoint_wrapped_module, nn.Module)
+    }
 
 
 def _check_unit_tensors(units: list[_UnitPlan], *, meta_ok: bool = False) -> torch.device:
@@ -356,6 +371,8 @@ class ShardedModule(nn.Module):
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
 
+        checkpoint_wrappers = _checkpoint_wrappers(module)
+
         def build(i: int) -> None:
             plan = plans[i]
             if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
@@ -368,8 +385,9 @@ class ShardedModule(nn.Module):
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
                 self._unit_of[id(new)] = (unit, j)
                 _RETIRED_PARAMS[old] = plan.fqns[j]
-            plan.module.register_forward_pre_hook(unit.pre_forward, prepend=True)
-            plan.module.register_forward_hook(unit.post_forward)
+            hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
+            hooked.register_forward_pre_hook(outside_compile(unit.pre_forward), prepend=True)
+            hooked.register_forward_hook(outside_compile(unit.post_forward))
             built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
 

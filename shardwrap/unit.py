@@ -117,6 +117,13 @@ def _weak(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
+def outside_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as something ``torch.compile`` never traces: a module hook that runs eagerly
+    between the compiled regions, so collectives, state transitions and slot swaps stay out of
+    every graph (design/notes/torch-compile.md)."""
+    return torch._dynamo.disable(hook, recursive=True, reason="shardwrap unit hooks run eagerly")
+
+
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (a view of the same storage); a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -40,7 +40,9 @@ def mlp(dim: int = 16, depth: int = 3, out: int = 5) -> nn.Module:
     return MLP(dim, depth, out)
 
 
-def gpt2(n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 96, n_positions: int = 16) -> nn.Module:
+def gpt2(
+    n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 96, n_positions: int = 16, use_cache: bool = True
+) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -52,6 +54,7 @@ def gpt2(n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        use_cache=use_cache,  # False for training under compile + checkpointing (no KV cache in the region)
     )
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)

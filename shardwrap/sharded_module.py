@@ -9,10 +9,12 @@ See design/architecture.md for the whole data path.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 import torch
 import torch.nn as nn
@@ -134,6 +136,31 @@ def _checkpoint_wrappers(root: nn.Module) -> dict[int, nn.Module]:
         id(m._checkpoint_wrapped_module): m for m in root.modules()
         if isinstance(m, ActivationWrapper) and isinstance(m._checkpoint_wrapped_module, nn.Module)
     }
+
+
+_NOT_COPYABLE = (
+    "ShardedModule: {what} is not supported: every rank holds only its shards, tied to process groups "
+    "and hooks. To save the model use model.full_state_dict() (full tensors, loads into the unwrapped "
+    "model) or shardwrap's save_checkpoint; to get a second copy, build the unwrapped model again and "
+    "load full_state_dict() into it"
+)
+
+
+def _show_inner_signature(wrapper: nn.Module, inner: nn.Module) -> None:
+    """Give ``wrapper.forward`` the wrapped module's signature, so ``inspect.signature(model.forward)``
+    (how HF Trainer and Lightning choose the dataset columns to keep) sees the model's arguments.
+
+    The instance's ``forward`` becomes ``functools.partial(ShardedModule.forward, wrapper)`` with
+    that signature: Dynamo traces a partial as it traces a bound method (no extra graph break), and
+    the reference cycle it makes goes through the instance's ``__dict__``, where the garbage
+    collector sees it."""
+    try:
+        signature = inspect.signature(inner.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+        return
+    forward = functools.partial(ShardedModule.forward, wrapper)  # type: ignore[arg-type]
+    setattr(forward, "__signature__", signature)
+    wrapper.__dict__["forward"] = forward
 
 
 def _check_unit_tensors(units: list[_UnitPlan], *, meta_ok: bool = False) -> torch.device:
@@ -416,6 +443,49 @@ class ShardedModule(nn.Module):
                     for name, buf in sub._buffers.items():
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
+        _show_inner_signature(self, module)
+
+    # ---- what wrapping rules out ----------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedModule":
+        """``.to()``, ``.cpu()``, ``.double()``, ``.half()``... after wrapping: a call that changes no
+        tensor (Lightning's ``.to(device)`` on the device the model is on) does nothing; one that
+        would change a dtype or a device is refused before anything moves. The parameters are
+        DTensor views of each unit's flat shard; converting them one by one would cut them off it."""
+        named = [(f"parameter '{n}'", local_of(t)) for n, t in self.named_parameters()]
+        named += [(f"buffer '{n}'", t) for n, t in self.named_buffers()]
+        probes: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device]] = {}
+        for what, tensor in named:
+            key = (tensor.dtype, tensor.device)
+            if key not in probes:
+                out = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+                probes[key] = (out.dtype, out.device)
+            if probes[key] != key:
+                (dtype, device), (new_dtype, new_device) = key, probes[key]
+                raise TypeError(
+                    f"ShardedModule: this call would turn {what} from {dtype} on {device} into {new_dtype} on "
+                    f"{new_device} after wrapping, which shardwrap does not do. Convert or move the model "
+                    f"before wrapping (model.to(...), then ShardedModule(model)); to compute in another dtype "
+                    f"keep the fp32 master weights and pass mixed_precision=MixedPrecision(param_dtype=...)"
+                )
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(_NOT_COPYABLE.format(what="copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(_NOT_COPYABLE.format(what="pickling (torch.save(model))"))
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> NoReturn:
+        # DistributedDataParallel reads this attribute first thing in its constructor, before any
+        # collective: raising here refuses DDP on every rank before it broadcasts rank 0's tensors
+        # over every rank's shards.
+        raise TypeError(
+            "DistributedDataParallel(ShardedModule): the model is already data parallel, and DDP would "
+            "overwrite every rank's shards with rank 0's. Train the ShardedModule as it is; for DDP's "
+            "memory behaviour with sharded optimizer state use stage=1 (or stage=2 to shard gradients too)"
+        )
 
     # ---- the original names -------------------------------------------------------------------
 
@@ -481,6 +551,8 @@ class ShardedModule(nn.Module):
     def root_pre_forward(self) -> None:
         """The root unit's forward starts: a new step's forward, unless one is still owed a
         backward (several forwards before one backward)."""
+        for unit in self._units:
+            unit.check_requires_grad()
         if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()

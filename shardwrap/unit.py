@@ -225,6 +225,7 @@ class Unit:
         self._grad = GradState.NONE
         self._gather: _Gather | None = None  # while GATHERING
         self._packed: torch.Tensor | None = None  # while PACKED
+        self._accumulated: torch.Tensor | None = None  # no_sync sums in reduce_dtype (while ACCUMULATING)
         self._reduction: _Reduction | None = None  # while IN_FLIGHT
         self._gathered_version = -1  # the shard's version when it was last gathered
         self._writes = 0  # writes into the shard that bypass the parameters (loads)
@@ -279,6 +280,21 @@ class Unit:
     @property
     def has_trainable(self) -> bool:
         return self.layout.num_trainable > 0
+
+    def check_requires_grad(self) -> None:
+        """Refuse a parameter frozen at wrapping that now requires grad: the flat layout put it
+        among the unit's frozen parameters, which have no gradient storage. (Freezing a trainable
+        one after wrapping is honoured: ``finish_grad`` leaves its ``p.grad`` alone, as autograd
+        leaves a frozen parameter's.)"""
+        n = self.layout.num_trainable
+        for param, slot in zip(self.sharded_params[n:], self.layout.slots[n:]):
+            if param.requires_grad:
+                raise RuntimeError(
+                    f"rank {self.rank}: parameter '{slot.fqn}' of unit '{self.name}' had requires_grad=False "
+                    f"when the model was wrapped and requires grad now. shardwrap lays out each unit's "
+                    f"trainable parameters when it wraps: set requires_grad before wrapping (freezing after "
+                    f"wrapping works; unfreezing does not)"
+                )
 
     def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
@@ -502,6 +518,8 @@ class Unit:
         self._grad_arrived()
         if root.sync:
             self.pack_grad()
+        else:
+            self._accumulate_in_reduce_dtype()
         self._install_sharded_params()  # a recomputation that stopped early left views installed
         if self.stage.reshard_after_backward:
             self.reshard()
@@ -649,26 +667,50 @@ class Unit:
         if self._grad is not GradState.PACKED:
             self._grad = GradState.ACCUMULATING
 
+    def _accumulate_in_reduce_dtype(self) -> None:
+        """Under ``no_sync``, when ``reduce_dtype`` is wider than the compute dtype, move this
+        micro-batch's unsharded gradient into a ``reduce_dtype`` sum (fully_shard does the same):
+        summing micro-batches in bf16 would round at every addition (design/notes/mixed-precision.md)."""
+        leaf = self.unsharded_trainable
+        grad = leaf.grad
+        if grad is None or grad.dtype == self.reduce_dtype:
+            return
+        if self._accumulated is None:
+            self._accumulated = grad.to(self.reduce_dtype)
+        else:
+            self._accumulated += grad
+        if self.stage.keep_unsharded_grad:
+            grad.zero_()
+        else:
+            leaf.grad = None
+
     def pack_grad(self) -> None:
         """ACCUMULATING -> PACKED: move the unsharded gradient, rank-major and in
         ``reduce_dtype``, into the reduce-scatter input with the used-flag set; then free it (or
         zero it, when the stage keeps it). A PACKED unit adds the new gradient to its packed one."""
-        if self._grad is GradState.PACKED and self.unsharded_trainable.grad is None:
+        accumulated, self._accumulated = self._accumulated, None
+        if self._grad is GradState.PACKED and self.unsharded_trainable.grad is None and accumulated is None:
             return
         self._expect_grad("pack its gradient", GradState.ACCUMULATING, GradState.PACKED)
         leaf = self.unsharded_trainable
         grad = leaf.grad
-        if grad is None:  # autograd reached the unit but produced no gradient
+        if grad is None and accumulated is None:  # autograd reached the unit but produced no gradient
             self._grad = GradState.PACKED if self._packed is not None else GradState.NONE
             return
+        if accumulated is None:
+            total = grad.to(self.reduce_dtype)  # type: ignore[union-attr]
+        else:
+            total = accumulated if grad is None else accumulated.add_(grad)
         layout, W = self.layout, self.world_size
         packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.reduce_dtype, device=self.device)
-        layout.pack_for_reduce_scatter(grad.to(self.reduce_dtype), packed)
+        layout.pack_for_reduce_scatter(total, packed)
         packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
         if self._packed is not None:
             packed += self._packed
         self._packed, self._grad = packed, GradState.PACKED
-        if self.stage.keep_unsharded_grad:
+        if grad is None:
+            pass
+        elif self.stage.keep_unsharded_grad:
             grad.zero_()  # stage 1 keeps one unsharded gradient buffer for the whole run
         else:
             leaf.grad = None
@@ -716,6 +758,8 @@ class Unit:
         rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if self.shard_in_unsharded and leaf_grad is not None else None
         slots = self.layout.slots
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
+            if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone
+                continue
             if param.grad is not None:
                 local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad

@@ -86,6 +86,11 @@ def as_policy(policy: PolicyLike) -> WrapPolicy | None:
             f"auto_wrap_policy={policy.__name__}: pass a set of classes such as {{{policy.__name__}}}, "
             f"not the class itself"
         )
+    if isinstance(policy, nn.Module):
+        raise TypeError(
+            f"auto_wrap_policy={type(policy).__name__}(...) is a module instance; pass a set of module "
+            f"classes such as {{{type(policy).__name__}}}"
+        )
     if callable(policy):
         return CallablePolicy(policy)
     raise TypeError(

@@ -1,0 +1,190 @@
+"""What users do to a model after wrapping it: honoured with the single-process answer, or refused
+at the call with an error that says what to do (issue: hardening, part 7)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from harness import run_on_ranks
+
+WORLD = 2
+STEPS = 4
+FREEZE_AT = 2  # steps before the freeze
+FROZEN = "blocks.1.up.weight"
+
+
+def batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+    return (x, y) if rank is None else (x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+
+
+def train_freezing(model: nn.Module, rank: int | None) -> None:
+    """SGD with momentum; ``FROZEN`` gets requires_grad_(False) after ``FREEZE_AT`` steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        if step == FREEZE_AT:
+            dict(model.named_parameters())[FROZEN].requires_grad_(False)
+        x, y = batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_freeze(stage: int) -> dict[str, torch.Tensor]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    train_freezing(model, dist.get_rank())
+    return model.full_state_dict(rank0_only=False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_freezing_after_wrapping_matches_the_model_frozen_the_same_way(stage):
+    torch.manual_seed(0)
+    reference = models.mlp()
+    before = reference.state_dict()[FROZEN].clone()
+    train_freezing(reference, None)
+    expected = reference.state_dict()
+    assert not torch.equal(expected[FROZEN], before)  # it trained before the freeze (momentum then stops with grad=None)
+    for got in run_on_ranks(WORLD, on_ranks_freeze, stage):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def on_ranks_refusals() -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    inner = models.mlp()
+    frozen = inner.head.weight
+    frozen.requires_grad_(False)
+    model = ShardedModule(inner, auto_wrap_policy={models.Block}, stage=3)
+    before = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
+    out: dict = {}
+
+    def refused(call) -> str:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001  (the test reads the type and the message)
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    out["double"] = refused(lambda: model.double())
+    out["half"] = refused(lambda: model.half())
+    out["to_dtype"] = refused(lambda: model.to(torch.bfloat16))
+    out["deepcopy"] = refused(lambda: copy.deepcopy(model))
+    out["torch_save"] = refused(lambda: torch.save(model, io.BytesIO()))
+    out["ddp"] = refused(lambda: nn.parallel.DistributedDataParallel(model))
+    # device-only moves and no-op conversions keep working, and training goes on
+    model.to("cpu")
+    model.cpu()
+    model.float()
+    model.to(torch.device("cpu"), torch.float32)
+    x, y = batch(0, dist.get_rank())
+    ((model(x) - y) ** 2).mean().backward()
+    out["trains"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    after = model.full_state_dict(rank0_only=False)
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    # unfreezing a parameter frozen at wrapping is refused at the next forward, before it runs
+    dict(model.named_parameters())["head.weight"].requires_grad_(True)
+    out["unfreeze"] = refused(lambda: model(x))
+    return out
+
+
+def test_changes_after_wrapping_are_refused_with_what_to_do():
+    for r in run_on_ranks(WORLD, on_ranks_refusals):
+        for call in ("double", "half", "to_dtype"):
+            assert r[call].startswith("TypeError") and "MixedPrecision" in r[call] and "before wrapping" in r[call], r[call]
+        for call in ("deepcopy", "torch_save"):
+            assert r[call].startswith("TypeError") and "full_state_dict" in r[call] and "save_checkpoint" in r[call], r[call]
+        assert r["ddp"].startswith("TypeError") and "stage=1" in r["ddp"], r["ddp"]
+        assert r["trains"] and r["unchanged"] and r["dtypes"] == ["torch.float32"], r
+        assert r["unfreeze"].startswith("RuntimeError") and "'head.weight'" in r["unfreeze"], r["unfreeze"]
+
+
+def on_ranks_policy_instance_and_signature() -> dict:
+    from shardwrap import ShardedModule
+
+    out = {}
+    try:
+        ShardedModule(models.mlp(), auto_wrap_policy=nn.Linear(4, 4))
+        out["policy"] = "no error"
+    except TypeError as exc:
+        out["policy"] = str(exc)
+    gpt2 = models.gpt2()
+    expected = str(inspect.signature(gpt2.forward))
+    model = ShardedModule(gpt2, auto_wrap_policy={models.gpt2_block_class()})
+    out["signature"] = (str(inspect.signature(model.forward)), expected)
+    ids = torch.randint(0, 96, (2, 8))
+    out["loss"] = model(input_ids=ids, labels=ids).loss.item()
+    return out
+
+
+def test_policy_instance_is_refused_and_forward_shows_the_model_signature():
+    for r in run_on_ranks(WORLD, on_ranks_policy_instance_and_signature):
+        assert "auto_wrap_policy" in r["policy"] and "{Linear}" in r["policy"], r["policy"]
+        got, expected = r["signature"]
+        assert got == expected and "input_ids" in got and "labels" in got, r["signature"]
+        assert r["loss"] > 0
+
+
+def on_ranks_no_sync_accumulation(impl: str) -> dict[str, torch.Tensor]:
+    """Four micro-batches, the first three under no_sync (or fully_shard's
+    set_requires_gradient_sync(False)), bf16 compute and fp32 reduce; returns the full gradients,
+    and this rank's oracle: each micro-batch's bf16 gradient summed in fp32, averaged over ranks."""
+    from shardwrap import MixedPrecision, ShardedModule
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = models.mlp()
+    oracle_model = copy.deepcopy(plain).to(torch.bfloat16)
+    if impl == "shardwrap":
+        model = ShardedModule(plain, auto_wrap_policy={models.Block},
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in plain.blocks:
+            fully_shard(block, mp_policy=policy)
+        model = fully_shard(plain, mp_policy=policy)
+    oracle = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in oracle_model.named_parameters()}
+    for micro in range(4):
+        x, y = batch(100 + micro, rank)
+        last = micro == 3
+        if impl == "shardwrap":
+            with (model.no_sync() if not last else torch.enable_grad()):
+                ((model(x) - y) ** 2).mean().backward()
+        else:
+            model.set_requires_gradient_sync(last)
+            ((model(x) - y) ** 2).mean().backward()
+        ((oracle_model(x.bfloat16()) - y) ** 2).mean().backward()  # y stays fp32, as in the wrapped models
+        for n, p in oracle_model.named_parameters():
+            oracle[n] += p.grad.float()
+            p.grad = None
+    for value in oracle.values():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"grads": grads, "oracle": oracle}
+
+
+def test_no_sync_accumulates_in_reduce_dtype_like_fully_shard():
+    ours = run_on_ranks(WORLD, on_ranks_no_sync_accumulation, "shardwrap")
+    theirs = run_on_ranks(WORLD, on_ranks_no_sync_accumulation, "fully_shard")
+    for mine, fs in zip(ours, theirs):
+        for name, oracle in mine["oracle"].items():
+            # fp32 sums of the same bf16 gradients: equal up to the order of the additions
+            torch.testing.assert_close(mine["grads"][name], oracle, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(mine["grads"][name], fs["grads"][name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} vs fully_shard: {m}")

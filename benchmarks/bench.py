@@ -39,6 +39,8 @@ p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results
 p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
 p.add_argument("--compile", action="store_true", help="add 'fully_shard compiled' and 'shardwrap s3 compiled': every "
                "block .compile(fullgraph=True) before wrapping (torchtitan's recipe); their compile time is reported")
+p.add_argument("--previous", default="", metavar="REV", help="add 'previous s3': shardwrap stage 3 as of git revision "
+               "REV (e.g. the main before a change), loaded beside the current package as shardwrap_prev")
 p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always "
                "run); the '+AC' ones run on gpt2 by default and on mlp only when named here")
 args = p.parse_args()
@@ -58,6 +60,8 @@ if args.compile:
     import torch._inductor.config
 
     torch._inductor.config.force_disable_caches = True  # compile for real each time: the compile times are the point
+if args.previous:
+    IMPLS.append("previous s3")
 AC_MODELS = {"gpt2"}  # the '+AC' rows run by default only here (the MLP's activations are tiny)
 if args.impls:
     IMPLS = [i for i in IMPLS if i in {"ddp", "fully_shard", *args.impls.split(",")}]
@@ -75,8 +79,30 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
     "shardwrap s1": lambda W: 8 + 8 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
     "shardwrap s3 no-prefetch": lambda W: 16 / W,
     "fsdp1 FULL_SHARD +AC": lambda W: 16 / W, "fully_shard +AC": lambda W: 16 / W, "shardwrap s3 +AC": lambda W: 16 / W,
-    "fully_shard compiled": lambda W: 16 / W, "shardwrap s3 compiled": lambda W: 16 / W,
+    "fully_shard compiled": lambda W: 16 / W, "shardwrap s3 compiled": lambda W: 16 / W, "previous s3": lambda W: 16 / W,
 }
+
+
+def load_previous(rev: str):  # type: ignore[no-untyped-def]
+    """The shardwrap package as of ``rev``, importable beside the current one: ``git archive`` into a
+    temporary folder, renamed to ``shardwrap_prev`` with its own imports rewritten to match."""
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    root = Path(tempfile.mkdtemp(prefix="shardwrap_prev_"))
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "shardwrap"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    (root / "shardwrap").rename(root / "shardwrap_prev")
+    for f in (root / "shardwrap_prev").rglob("*.py"):
+        f.write_text(re.sub(r"\bshardwrap\b", "shardwrap_prev", f.read_text()))
+    sys.path.insert(0, str(root))
+    import shardwrap_prev
+
+    return shardwrap_prev
 
 
 def release_memory() -> None:
@@ -151,6 +177,8 @@ def wrap(impl: str, name: str):
                      device_id=torch.device("cpu"), use_orig_params=True)
     elif impl.startswith("fully_shard"):
         model = apply_fully_shard(model, units, reshard_after_forward="False" not in impl)
+    elif impl == "previous s3":
+        model = load_previous(args.previous).ShardedModule(model, auto_wrap_policy=units, stage=3)
     else:
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2)

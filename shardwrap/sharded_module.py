@@ -35,6 +35,7 @@ from shardwrap.wrap import PolicyLike, as_policy
 _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made
 _optimizer_hook_installed = False
 
 
@@ -291,8 +292,10 @@ def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced."""
+    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced, and give groups of
+    shardwrap's CPU parameters torch's multi-tensor path where the user left the choice to torch."""
     for group in optimizer.param_groups:
+        _prefer_foreach(group)
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
             if name is not None:
@@ -301,6 +304,21 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     f"wrapped the model; it never receives a gradient. Build the optimizer after "
                     f"wrapping, from model.parameters()"
                 )
+
+
+def _prefer_foreach(group: dict[str, Any]) -> None:
+    """``foreach=None`` (the default) means "let torch choose", and torch chooses the per-parameter
+    loop for CPU tensors, where its multi-tensor kernels gain nothing. Over shardwrap's DTensor
+    parameters the loop pays DTensor dispatch for every op of every parameter (AdamW: 35 ms against
+    13 over plain chunks, benchmarks/optim_step.py), while the multi-tensor path pays it once per
+    op: so a group made only of shardwrap's CPU parameters gets ``foreach=True``, the choice torch
+    makes for them on CUDA. Same formulas, same results (design/notes/dtensor-parameters.md); an
+    explicit ``foreach=False`` or ``fused=True`` is left alone."""
+    params = group["params"]
+    if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get("differentiable"):
+        return
+    if params and all(p in _SHARDED_PARAMS and p.device.type == "cpu" for p in params):
+        group["foreach"] = True
 
 
 def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -412,6 +430,7 @@ class ShardedModule(nn.Module):
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
                 self._unit_of[id(new)] = (unit, j)
                 _RETIRED_PARAMS[old] = plan.fqns[j]
+                _SHARDED_PARAMS[new] = True
             hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
             hooked.register_forward_pre_hook(outside_compile(unit.pre_forward), prepend=True)
             hooked.register_forward_hook(outside_compile(unit.post_forward))

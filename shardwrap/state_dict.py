@@ -467,7 +467,9 @@ def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optim
 
 def init_optim_state(opt: torch.optim.Optimizer) -> None:
     """Create the optimizer's state without changing any parameter: one step with zero gradients
-    and a zero learning rate (a template for ``torch.distributed.checkpoint.load``)."""
+    and a zero learning rate (a template for ``torch.distributed.checkpoint.load``), then the step
+    counters back to 0, so the state is the fresh one: zero moments at step 0, and the next real
+    step is the first, as in a run that never saved (design/notes/state-dicts.md)."""
     if opt.state:
         return
     saved, zeroed = [], []
@@ -481,6 +483,12 @@ def init_optim_state(opt: torch.optim.Optimizer) -> None:
     opt.step()
     for group, lr in zip(opt.param_groups, saved):
         group["lr"] = lr
+    for entry in opt.state.values():
+        step = entry.get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            entry["step"] = 0
     for p in zeroed:  # gradients the caller had stay
         p.grad = None
 

@@ -386,3 +386,22 @@ def on_ranks_zero_dim_round_trip(path: str) -> bool:
 
 def test_zero_dim_parameters_round_trip(tmp_path):
     assert all(run_on_ranks(3, on_ranks_zero_dim_round_trip, str(tmp_path / "ckpt")))
+
+
+# ---- a checkpoint saved before the first optimizer step -------------------------------------------
+
+
+@pytest.mark.parametrize("door", ["checkpoint", "full"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_step_0_checkpoint_loads_at_the_same_and_another_world_size(tmp_path, optim, door):
+    """Saved right after the optimizer was built (no state yet, as torchtitan's step-0 save): it
+    loads as a fresh optimizer, and training from it follows the uninterrupted run."""
+    case = Case(**{**MLP.__dict__, "optim": optim})
+    path = str(tmp_path / "ckpt")
+    save, load = (on_ranks_save, on_ranks_load_and_continue) if door == "checkpoint" else (on_ranks_save_full, on_ranks_load_full_and_continue)
+    run_on_ranks(2, save, case, path, 0)
+    straight = run_on_ranks(2, on_ranks_uninterrupted, case, 4)[0]
+    same = run_on_ranks(2, load, case, path, 0, 4, fresh=True)[0]
+    assert_states(same, straight, 0, f"{door} step 0, W=2 -> W=2")
+    other = run_on_ranks(3, load, case, path, 0, 4)[0]
+    assert_states(other, run_on_ranks(3, on_ranks_uninterrupted, case, 4)[0], 0, f"{door} step 0, W=2 -> W=3")

@@ -95,13 +95,77 @@ def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule") -> d
     return records
 
 
+# Tests set this to simulate a crash (SIGKILL) at a named point of a save: "written" (every rank's
+# files are in the temporary directory), "agreed" (checksums gathered and the manifest written,
+# before the first rename), "moved_old" (the previous checkpoint renamed aside, the new one not
+# yet in place). Nothing in the package sets it.
+fault_point: Callable[[str], None] | None = None
+
+
+def _reached(point: str) -> None:
+    if fault_point is not None:
+        fault_point(point)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Flush a directory's entries (the renames and new files in it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _leftovers(path: str) -> list[str]:
+    """What killed saves to ``path`` may have left beside it: temporary and set-aside directories."""
+    parent, base = os.path.split(os.path.abspath(path))
+    return [
+        os.path.join(parent, name) for name in os.listdir(parent or ".")
+        if name.startswith(f"{base}.tmp-") or name.startswith(f"{base}.old-")
+    ]
+
+
 def _commit(tmp: str, path: str) -> None:
-    """Swap ``tmp`` into ``path``: the old checkpoint stays complete until the new one is."""
+    """Swap ``tmp`` into ``path``: the old checkpoint stays complete until the new one is.
+
+    DCP has synced the data files and ``write_manifest`` the manifest; the directory entries are
+    synced here before the rename that publishes them, and the parent after it. Between the two
+    renames nothing is at ``path``; a load then finds the set-aside ``path.old-*`` instead
+    (``_published``). After the swap, every leftover of earlier killed saves goes."""
+    _fsync_dir(tmp)
     old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+    parent = os.path.dirname(os.path.abspath(path))
     if os.path.exists(path):
         os.rename(path, old)
+        _reached("moved_old")
     os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(parent)
+    for leftover in _leftovers(path):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _published(path: str) -> str:
+    """The directory a load of ``path`` reads: ``path`` itself, or, when a save was killed between
+    its two renames (nothing at ``path``), the newest set-aside ``path.old-*`` that is a complete
+    checkpoint, with a warning. ``path.tmp-*`` directories are never read."""
+    if os.path.exists(path):
+        return path
+    candidates = sorted(
+        (d for d in _leftovers(path) if ".old-" in os.path.basename(d) and os.path.isfile(os.path.join(d, files.MANIFEST))),
+        key=os.path.getmtime, reverse=True,
+    )
+    for candidate in candidates:
+        try:
+            files.check_files(candidate)
+        except (CheckpointError, OSError):
+            continue
+        warnings.warn(
+            f"checkpoint '{path}' is missing: a save was interrupted while replacing it; loading the previous "
+            f"checkpoint from '{candidate}' (the next successful save to '{path}' removes it)",
+            stacklevel=3,
+        )
+        return candidate
+    return path
 
 
 def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -114,6 +178,7 @@ def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model)
     try:
         metadata = _write(state, tmp)
+        _reached("written")
         records = _record_checksums(tmp, metadata, model)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,6 +187,7 @@ def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     if model.mesh.get_local_rank() == 0:
         try:
             files.write_manifest(tmp, records)
+            _reached("agreed")
             _commit(tmp, path)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -262,6 +328,8 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     naming the first offending keys with both shapes). A checkpoint without a manifest (saved
     before checksums existed) loads with an ``UnverifiedCheckpointWarning``."""
     rank, world = model.mesh.get_local_rank(), model.mesh.size()
+    found = _agreed(model, lambda: _published(path) if rank == 0 else None)  # an error on rank 0 reaches every rank
+    path = _agree(found, model)
     records = _agreed(model, lambda: _check_files(path))
     if records is None and rank == 0:
         _warn_unverified(path)
@@ -288,6 +356,7 @@ def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:
     """Convert a DCP checkpoint into one ``torch.save`` file of full tensors, atomically.
     Run it in one process; ``torch.load(out_file, weights_only=True)["model"]`` loads into the
     unwrapped model. The checkpoint is verified and read as ``load_checkpoint`` reads it."""
+    checkpoint_dir = _published(checkpoint_dir)
     records = _check_files(checkpoint_dir)
     if records is None:
         _warn_unverified(checkpoint_dir)

@@ -405,3 +405,57 @@ def test_step_0_checkpoint_loads_at_the_same_and_another_world_size(tmp_path, op
     assert_states(same, straight, 0, f"{door} step 0, W=2 -> W=2")
     other = run_on_ranks(3, load, case, path, 0, 4)[0]
     assert_states(other, run_on_ranks(3, on_ranks_uninterrupted, case, 4)[0], 0, f"{door} step 0, W=2 -> W=3")
+
+
+# ---- a save killed at any point leaves a loadable checkpoint ---------------------------------------
+
+
+def on_ranks_save_killed_at(case: Case, path: str, point: str) -> None:
+    """Train on, then save again to ``path``; rank 0 is SIGKILLed when the save reaches ``point``
+    (shardwrap.checkpoint.fault_point: a hook, not a timing guess)."""
+    import signal
+
+    from shardwrap import checkpoint, save_checkpoint
+
+    model, opt = make(case)
+    train(case, model, opt, range(5))
+
+    def die(reached: str) -> None:
+        if reached == point and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.fault_point = die
+    try:
+        save_checkpoint(path, model, opt)
+    finally:
+        checkpoint.fault_point = None
+
+
+def on_ranks_load(case: Case, path: str) -> dict:
+    import warnings
+
+    from shardwrap import load_checkpoint
+
+    model, opt = make(case)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_checkpoint(path, model, opt)
+    return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt), "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.parametrize("point", ["written", "agreed", "moved_old"])
+def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_loadable(tmp_path, point):
+    from harness import RankTimeout
+
+    path = str(tmp_path / "ckpt")
+    first = run_on_ranks(2, on_ranks_save, MLP, path, 3)[0]
+    with pytest.raises(RankTimeout, match="died"):
+        run_on_ranks(2, on_ranks_save_killed_at, MLP, path, point, timeout=60)
+    leftovers = sorted(n.split("-")[0] for n in os.listdir(tmp_path) if n != "ckpt")
+    loaded = run_on_ranks(2, on_ranks_load, MLP, path, fresh=True)[0]
+    assert_states(loaded, first, 0, f"killed at '{point}'")
+    assert ("previous checkpoint" in " ".join(loaded["warnings"])) == (point == "moved_old"), loaded["warnings"]
+    # the next successful save removes every leftover and publishes at the path
+    run_on_ranks(2, on_ranks_save, MLP, path, 4)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], (leftovers, os.listdir(tmp_path))
+    assert leftovers, f"killed at '{point}' left nothing beside the checkpoint: the kill came too late"

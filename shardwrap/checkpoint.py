@@ -20,6 +20,7 @@ import os
 import shutil
 import uuid
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
@@ -52,9 +53,9 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
-def _agree(value: Any, model: "ShardedModule") -> Any:
-    """The mesh's first rank's ``value`` on every rank."""
-    return collectives.broadcast_object(value, model.mesh.get_group())
+def _agree(value: Any, model: "ShardedModule", group: collectives.Group | None = None) -> Any:
+    """The mesh's first rank's ``value`` on every rank (over ``group``, default the mesh's)."""
+    return collectives.broadcast_object(value, group or model.mesh.get_group())
 
 
 def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
@@ -74,11 +75,11 @@ def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
 # ---- sharded checkpoints (DCP) ------------------------------------------------------------------
 
 
-def _write(state: dict[str, Any], tmp: str) -> Metadata:
-    return dcp.save(state, checkpoint_id=tmp)
+def _write(state: dict[str, Any], tmp: str, group: collectives.Group) -> Metadata:
+    return dcp.save(state, checkpoint_id=tmp, process_group=group)
 
 
-def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule") -> dict[str, files.FileRecord]:
+def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:
     """Every file of the checkpoint in ``tmp`` with its size and CRC-32, on every rank; each rank
     reads its share (``checkpoint_files.share``). Every rank has finished writing when it returns."""
     names = sorted({files.METADATA} | {info.relative_path for info in metadata.storage_data.values()})
@@ -88,14 +89,15 @@ def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule") -> d
     except OSError as exc:
         mine = f"rank {rank}: {exc}"
     records: dict[str, files.FileRecord] = {}
-    for part in collectives.all_gather_object(mine, model.mesh.get_group()):
+    for part in collectives.all_gather_object(mine, group):
         if isinstance(part, str):
             raise OSError(f"the checkpoint's files could not be checksummed ({part})")
         records.update(part)
     return records
 
 
-# Tests set this to simulate a crash (SIGKILL) at a named point of a save: "written" (every rank's
+# Tests set this to simulate a crash (SIGKILL) or a slow write at a named point of a save: "started"
+# (the save's own work begins: on the helper thread for a background save), "written" (every rank's
 # files are in the temporary directory), "agreed" (checksums gathered and the manifest written,
 # before the first rename), "moved_old" (the previous checkpoint renamed aside, the new one not
 # yet in place). Nothing in the package sets it.
@@ -168,23 +170,69 @@ def _published(path: str) -> str:
     return path
 
 
-def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+_SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-checkpoint-save")
+_pending: "Future[None] | None" = None  # the last background save, in order
+
+
+def wait_for_saves() -> None:
+    """Block until the background save in flight (``save_checkpoint(..., blocking=False)``) has
+    committed or failed; its error stays with its future."""
+    if _pending is not None:
+        wait([_pending])
+
+
+def _staged(state: Any) -> Any:
+    """A copy of ``state`` that training cannot change: every tensor (DTensors: their local shard)
+    cloned to CPU memory, everything else as it is."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _staged(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_staged(v) for v in state]
+    return state
+
+
+def save_checkpoint(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None, *, blocking: bool = True
+) -> "Future[None] | None":
     """Save the sharded model (and optimizer) state to the directory ``path`` with DCP; every rank
     writes its own shards, and a manifest records every file's size and CRC-32. Load it at any
-    world size with ``load_checkpoint``."""
+    world size with ``load_checkpoint``.
+
+    ``blocking=False`` (as ``torch.distributed.checkpoint.async_save``): the state is staged to CPU
+    memory (a copy), and the write, the checksums and the commit run on a helper thread over a
+    process group of their own, with the same atomicity; the call returns a ``Future`` at once and
+    training may go on. A later save (or load) waits for it first; ``result()`` raises its error.
+    """
+    global _pending
+    wait_for_saves()  # a second save waits for the first
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
-    tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model)
+    if blocking:
+        _save(path, state, model, model.mesh.get_group())
+        return None
+    group = collectives.checkpoint_group_for(model.mesh.get_group())
+    staged = _staged(state)
+    _pending = _SAVER.submit(_save, path, staged, model, group)
+    return _pending
+
+
+def _save(path: str, state: dict[str, Any], model: "ShardedModule", group: collectives.Group) -> None:
+    """Write ``state`` into a temporary directory beside ``path``, record checksums, and have the
+    first rank publish it (``_commit``); every collective runs over ``group``."""
+    _reached("started")
+    tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model, group)
     try:
-        metadata = _write(state, tmp)
+        metadata = _write(state, tmp, group)
         _reached("written")
-        records = _record_checksums(tmp, metadata, model)
+        records = _record_checksums(tmp, metadata, model, group)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     failure = None
-    if model.mesh.get_local_rank() == 0:
+    if collectives.group_rank(group) == 0:
         try:
             files.write_manifest(tmp, records)
             _reached("agreed")
@@ -192,7 +240,7 @@ def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             failure = f"{type(exc).__name__}: {exc}"
-    failure = _agree(failure, model)  # every rank waits here for the commit
+    failure = _agree(failure, model, group)  # every rank waits here for the commit
     if failure:
         raise RuntimeError(f"checkpoint '{path}' could not be saved ({failure}); what was at that path is unchanged")
 
@@ -327,6 +375,7 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     plain values (``UnsafeCheckpointError``), or does not fit the model or optimizer (``ValueError``
     naming the first offending keys with both shapes). A checkpoint without a manifest (saved
     before checksums existed) loads with an ``UnverifiedCheckpointWarning``."""
+    wait_for_saves()
     rank, world = model.mesh.get_local_rank(), model.mesh.size()
     found = _agreed(model, lambda: _published(path) if rank == 0 else None)  # an error on rank 0 reaches every rank
     path = _agree(found, model)

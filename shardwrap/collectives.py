@@ -212,6 +212,19 @@ def reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _REDUCE_GROUPS[ranks]
 
 
+_CHECKPOINT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def checkpoint_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo process group over the same ranks for checkpoint saves that run in the background
+    (cached per rank set; every rank must call it at the same point the first time): its own
+    sequence, so a save's collectives on a helper thread never interleave with training's."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _CHECKPOINT_GROUPS[ranks]
+
+
 def init_fake_world(world: int) -> None:
     """A fake process group of ``world`` ranks in this one process (the estimator's simulation):
     collectives return at once and move nothing."""

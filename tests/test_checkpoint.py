@@ -459,3 +459,47 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_loadable(tmp_
     run_on_ranks(2, on_ranks_save, MLP, path, 4)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], (leftovers, os.listdir(tmp_path))
     assert leftovers, f"killed at '{point}' left nothing beside the checkpoint: the kill came too late"
+
+
+# ---- background saves ---------------------------------------------------------------------------
+
+
+def on_ranks_async_save(case: Case, path: str) -> dict:
+    """Save in the background, keep training while it writes, save again at once (that save waits
+    for the first), then load both checkpoints into fresh models."""
+    from shardwrap import load_checkpoint, save_checkpoint
+    from shardwrap.checkpoint import wait_for_saves
+
+    import threading
+
+    from shardwrap import checkpoint
+
+    model, opt = make(case)
+    train(case, model, opt, range(3))
+    at_first = {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+    trained_on = threading.Event()
+    checkpoint.fault_point = lambda point: trained_on.wait(60) if point == "started" else None
+    first = save_checkpoint(path + "-a", model, opt, blocking=False)
+    train(case, model, opt, range(3, 5))  # the shards change before the first save writes anything
+    trained_on.set()
+    checkpoint.fault_point = None
+    at_second = {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+    second = save_checkpoint(path + "-b", model, opt, blocking=False)
+    train(case, model, opt, range(5, 6))
+    wait_for_saves()
+    out = {"futures": [type(first).__name__, first.done(), second.done(), first.result(), second.result()]}
+    for name, expected in (("-a", at_first), ("-b", at_second)):
+        fresh, fresh_opt = make(case)
+        load_checkpoint(path + name, fresh, fresh_opt)
+        out[name] = ({"full": fresh.full_state_dict(), "optim": fresh.full_optim_state_dict(fresh_opt)}, expected)
+    return out
+
+
+def test_background_save_stages_a_copy_and_commits_atomically(tmp_path):
+    for rank, r in enumerate(run_on_ranks(2, on_ranks_async_save, MLP, str(tmp_path / "ckpt"))):
+        assert r["futures"] == ["Future", True, True, None, None], r["futures"]
+        if rank == 0:
+            for name in ("-a", "-b"):
+                loaded, expected = r[name]
+                assert_states(loaded, expected, 0, f"background save {name}")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-a", "ckpt-b"]

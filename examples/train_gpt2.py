@@ -18,15 +18,6 @@ import os
 import random
 import time
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
-from shardwrap.unit import local_of
-
 # ---- defaults ---------------------------------------------------------------------------------
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
@@ -49,6 +40,19 @@ p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpo
 p.add_argument("--ckpt-dir", default="checkpoints/gpt2")
 p.add_argument("--resume", default="", help="a checkpoint directory, or 'auto' for the latest in --ckpt-dir")
 args = p.parse_args()
+if "RANK" not in os.environ:  # init_process_group reads the rank and the rendezvous from torchrun
+    p.error("start it with torchrun: OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py")
+
+# torch and transformers take seconds to import: the command line is read first, so --help and
+# a start without torchrun answer at once.
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.unit import local_of
 
 # ---- processes and devices --------------------------------------------------------------------
 use_cuda = torch.cuda.is_available()

@@ -16,11 +16,12 @@ optimizer and the model written.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -104,10 +105,50 @@ def _commit(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+def _encode_extra_state(extra_state: Mapping[str, Any] | None, model: "ShardedModule") -> bytes | None:
+    """``extra_state`` as JSON text, checked on every rank before anything is written: it must be
+    a JSON object, and the same on every rank (None on every rank saves none). Every rank takes
+    part in the check even without one, so that a rank that passed one cannot wait alone."""
+
+    def encode() -> bytes | None:
+        if extra_state is None:
+            return None
+        if not isinstance(extra_state, Mapping):
+            raise ValueError(f"extra_state must be a dict of plain values, not a {type(extra_state).__name__}")
+        try:
+            return json.dumps(dict(extra_state), sort_keys=True, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"extra_state cannot be saved as JSON ({exc}); keep to dicts, lists, strings, finite numbers, "
+                f"bools and None (convert tensors with .tolist() or .item())"
+            ) from None
+
+    body = _agreed(model, encode)
+    bodies = collectives.all_gather_object(body, model.mesh.get_group())
+    differ = [r for r, b in enumerate(bodies) if b != bodies[0]]
+    if differ:
+        raise ValueError(
+            f"extra_state differs between rank 0 and rank(s) {differ}; nothing was saved. Pass the same "
+            f"value on every rank (gather per-rank values into one dict first)"
+        )
+    return body
+
+
+def save_checkpoint(
+    path: str,
+    model: "ShardedModule",
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+) -> None:
     """Save the sharded model (and optimizer) state to the directory ``path`` with DCP; every rank
     writes its own shards, and a manifest records every file's size and CRC-32. Load it at any
-    world size with ``load_checkpoint``."""
+    world size with ``load_checkpoint``.
+
+    ``extra_state``, a dict of plain JSON values that is the same on every rank (the training
+    loop's position in its data, say), is saved inside the same atomic directory and comes back
+    from ``load_checkpoint``."""
+    body = _encode_extra_state(extra_state, model)
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
@@ -121,6 +162,8 @@ def save_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     failure = None
     if model.mesh.get_local_rank() == 0:
         try:
+            if body is not None:
+                records[files.EXTRA_STATE] = files.write_extra_state(tmp, body)
             files.write_manifest(tmp, records)
             _commit(tmp, path)
         except Exception as exc:
@@ -253,8 +296,19 @@ def _read_into(path: str, reader: files.SafeReader, scratch: dict[str, Any], *, 
         raise _refusal(path, exc) from None
 
 
-def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by ``save_checkpoint`` at any world size.
+def _read_extra_state(path: str, records: dict[str, files.FileRecord] | None) -> dict[str, Any] | None:
+    try:
+        return files.read_extra_state(path, records)
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
+
+
+def load_checkpoint(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any] | None:
+    """Load a checkpoint written by ``save_checkpoint`` at any world size. Returns the
+    ``extra_state`` it was saved with (None when it was saved without one), read and verified
+    before anything is written.
 
     Raises on every rank, with the model and optimizer unchanged, when a file is damaged
     (``DamagedCheckpointError``), holds a pickled object other than DCP's metadata, tensors and
@@ -266,6 +320,7 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     if records is None and rank == 0:
         _warn_unverified(path)
     metadata = _agreed(model, lambda: _read_metadata(path, records))
+    extra_state = _agreed(model, lambda: _read_extra_state(path, records))
     scratch = _agreed(model, lambda: _scratch(path, metadata, model, optimizer))
     # Each rank verifies its share of the data files, while DCP reads them where it can.
     mine = files.share(files.data_files(metadata), rank, world)
@@ -282,6 +337,7 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
             )
         optimizer.load_state_dict(state_dict.sharded_optim_load(model, optimizer, osd, copy=False))
     state_dict.commit_writes(model, state_dict.model_writes(model, scratch["model"]))
+    return extra_state
 
 
 def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:

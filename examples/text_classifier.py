@@ -11,15 +11,7 @@ import argparse
 import os
 import random
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from shardwrap import MixedPrecision, ShardedModule
-from shardwrap.memory import model_state_bytes
-
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--stage", default="all", choices=["1", "2", "3", "all"])
 p.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none")
 p.add_argument("--epochs", type=int, default=3)
@@ -27,6 +19,18 @@ p.add_argument("--batch-size", type=int, default=32, help="sentences per rank pe
 p.add_argument("--d-model", type=int, default=64)
 p.add_argument("--layers", type=int, default=2)
 args = p.parse_args()
+if "RANK" not in os.environ:  # init_process_group reads the rank and the rendezvous from torchrun
+    p.error("start it with torchrun: OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/text_classifier.py")
+
+# torch takes seconds to import: the command line is read first, so --help and a start without
+# torchrun answer at once.
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from shardwrap import MixedPrecision, ShardedModule
+from shardwrap.memory import model_state_bytes
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

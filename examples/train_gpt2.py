@@ -13,19 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 import random
 import time
-
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
-from shardwrap.unit import local_of
 
 # ---- defaults ---------------------------------------------------------------------------------
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,6 +41,19 @@ p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpo
 p.add_argument("--ckpt-dir", default="checkpoints/gpt2")
 p.add_argument("--resume", default="", help="a checkpoint directory, or 'auto' for the latest in --ckpt-dir")
 args = p.parse_args()
+if "RANK" not in os.environ:  # init_process_group reads the rank and the rendezvous from torchrun
+    p.error("start it with torchrun: OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py")
+
+# torch and transformers take seconds to import: the command line is read first, so --help and
+# a start without torchrun answer at once.
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.unit import local_of
 
 # ---- processes and devices --------------------------------------------------------------------
 use_cuda = torch.cuda.is_available()
@@ -139,18 +144,38 @@ def model_state_mib() -> float:
     return sum(storages.values()) / 2**20
 
 
-step = 0
-if args.resume:  # checkpoints are directories named step_NNNNNN; the step comes from the name
+# ---- resuming: the model, the optimizer, and where the run was in its data -----------------------
+# Each rank's epoch is a fixed shuffle (seed + epoch) dealt round-robin to the ranks, so a step
+# consumes the next batch_size * world windows of the global order, whatever the world size. A
+# checkpoint records the epoch and how many windows of it were consumed; a resume skips that many
+# and goes on with the very batches the uninterrupted run would have seen.
+global_batch = args.batch_size * world  # windows per step, over every rank
+step, epoch, skip = 0, 0, 0  # skip: batches of this epoch already trained on
+if args.resume:  # checkpoints are directories named step_NNNNNN
     path = args.resume
     if path == "auto":
         found = sorted(d for d in os.listdir(args.ckpt_dir) if d.startswith("step_")) if os.path.isdir(args.ckpt_dir) else []
         path = os.path.join(args.ckpt_dir, found[-1]) if found else ""
     if path:
-        load_checkpoint(path, model, opt)
-        step = int(os.path.basename(path.rstrip("/")).split("_")[-1])
+        saved = load_checkpoint(path, model, opt)
+        if saved is None:  # saved before the data position was: assume the same data and batch size
+            step = int(os.path.basename(path.rstrip("/")).split("_")[-1])
+            epoch, skip = divmod(step, len(loader))
+        else:
+            step, epoch, consumed = saved["step"], saved["epoch"], saved["windows_in_epoch"]
+            if (saved["seed"], saved["windows"]) != (args.seed, len(dataset)):
+                p.error(f"{path} was trained on {saved['windows']} windows shuffled with --seed {saved['seed']}, this run "
+                        f"has {len(dataset)} windows and --seed {args.seed}: pass the same --data, --seq-len and --seed")
+            if consumed % global_batch:
+                p.error(f"{path} stopped {consumed} windows into epoch {epoch}, not a whole number of steps of "
+                        f"{global_batch} windows (--batch-size {args.batch_size} x {world} ranks): use a global batch "
+                        f"that divides {consumed}, e.g. the saved {saved['global_batch']}")
+            skip = consumed // global_batch
+            if scaler is not None and saved.get("scaler"):
+                scaler.load_state_dict(saved["scaler"])
 if rank == 0:
     print(f"GPT-2 {n_params / 1e6:.2f}M params, {world} ranks, stage {args.stage}, {args.mixed_precision}, "
-          f"{device}, {len(dataset)} windows, starting at step {step}")
+          f"{device}, {len(dataset)} windows, starting at step {step} (epoch {epoch}, batch {skip})")
 
 # ---- training loop ------------------------------------------------------------------------------
 try:
@@ -159,11 +184,12 @@ try:
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, ncols=100)
 except ImportError:  # tqdm is optional
     bar = None
-epoch, t0, tokens = 0, time.perf_counter(), 0
+t0, tokens = time.perf_counter(), 0
 first_loss = last_loss = float("nan")
 while step < args.steps:
     sampler.set_epoch(epoch)
-    for batch in loader:
+    # a resumed epoch starts after the batches it already trained on (islice reads and drops them)
+    for batch_in_epoch, batch in enumerate(itertools.islice(loader, skip, None), start=skip):
         batch = batch.to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -189,7 +215,12 @@ while step < args.steps:
         tokens += batch[:, :-1].numel() * world
         step += 1
         if args.save_every and step % args.save_every == 0:
-            save_checkpoint(os.path.join(args.ckpt_dir, f"step_{step:06d}"), model, opt)
+            position = {  # where the next step starts; the same on every rank
+                "step": step, "epoch": epoch, "windows_in_epoch": (batch_in_epoch + 1) * global_batch,
+                "global_batch": global_batch, "seed": args.seed, "windows": len(dataset),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            }
+            save_checkpoint(os.path.join(args.ckpt_dir, f"step_{step:06d}"), model, opt, extra_state=position)
         if bar is not None:
             bar.update(1)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
@@ -213,7 +244,8 @@ while step < args.steps:
                 (bar.write if bar is not None else print)(msg)
         if step >= args.steps:
             break
-    epoch += 1
+    else:  # the epoch ran out: the next one starts at its first batch
+        epoch, skip = epoch + 1, 0
 
 if bar is not None:
     bar.close()

@@ -9,8 +9,21 @@ on CPU by shardwrap.memory. Then the sum of the parameters after one step, which
 every variant and on every rank: the recipe's check that sharding changed nothing.
 """
 
+import argparse
 import os
 
+# ---- defaults: the recipe's model ------------------------------------------------------------------
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--width", type=int, default=2000, help="features of each Linear layer")
+p.add_argument("--depth", type=int, default=20, help="number of Linear layers")
+p.add_argument("--batch", type=int, default=20, help="rows per rank")
+args = p.parse_args()
+WIDTH, DEPTH, BATCH = args.width, args.depth, args.batch
+if "RANK" not in os.environ:  # init_process_group reads the rank and the rendezvous from torchrun
+    p.error("start it with torchrun: OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/zero_recipe.py")
+
+# torch takes seconds to import: the command line is read first, so --help and a start without
+# torchrun answer at once.
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,8 +31,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardwrap import ShardedModule
 from shardwrap.memory import LiveStorages, model_state_bytes, unsharded_tensors
-
-WIDTH, DEPTH, BATCH = 2000, 20, 20  # the recipe's model; BATCH rows per rank
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -16,12 +16,13 @@ optimizer and the model written.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -193,12 +194,50 @@ def _staged(state: Any) -> Any:
     return state
 
 
+def _encode_extra_state(extra_state: Mapping[str, Any] | None, model: "ShardedModule") -> bytes | None:
+    """``extra_state`` as JSON text, checked on every rank before anything is written: it must be
+    a JSON object, and the same on every rank (None on every rank saves none). Every rank takes
+    part in the check even without one, so that a rank that passed one cannot wait alone."""
+
+    def encode() -> bytes | None:
+        if extra_state is None:
+            return None
+        if not isinstance(extra_state, Mapping):
+            raise ValueError(f"extra_state must be a dict of plain values, not a {type(extra_state).__name__}")
+        try:
+            return json.dumps(dict(extra_state), sort_keys=True, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"extra_state cannot be saved as JSON ({exc}); keep to dicts, lists, strings, finite numbers, "
+                f"bools and None (convert tensors with .tolist() or .item())"
+            ) from None
+
+    body = _agreed(model, encode)
+    bodies = collectives.all_gather_object(body, model.mesh.get_group())
+    differ = [r for r, b in enumerate(bodies) if b != bodies[0]]
+    if differ:
+        raise ValueError(
+            f"extra_state differs between rank 0 and rank(s) {differ}; nothing was saved. Pass the same "
+            f"value on every rank (gather per-rank values into one dict first)"
+        )
+    return body
+
+
 def save_checkpoint(
-    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None, *, blocking: bool = True
+    path: str,
+    model: "ShardedModule",
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+    blocking: bool = True,
 ) -> "Future[None] | None":
     """Save the sharded model (and optimizer) state to the directory ``path`` with DCP; every rank
     writes its own shards, and a manifest records every file's size and CRC-32. Load it at any
     world size with ``load_checkpoint``.
+
+    ``extra_state``, a dict of plain JSON values that is the same on every rank (the training
+    loop's position in its data, say), is saved inside the same atomic directory and comes back
+    from ``load_checkpoint``.
 
     ``blocking=False`` (as ``torch.distributed.checkpoint.async_save``): the state is staged to CPU
     memory (a copy), and the write, the checksums and the commit run on a helper thread over a
@@ -207,21 +246,23 @@ def save_checkpoint(
     """
     global _pending
     wait_for_saves()  # a second save waits for the first
+    body = _encode_extra_state(extra_state, model)
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
     if blocking:
-        _save(path, state, model, model.mesh.get_group())
+        _save(path, state, body, model, model.mesh.get_group())
         return None
     group = collectives.checkpoint_group_for(model.mesh.get_group())
     staged = _staged(state)
-    _pending = _SAVER.submit(_save, path, staged, model, group)
+    _pending = _SAVER.submit(_save, path, staged, body, model, group)
     return _pending
 
 
-def _save(path: str, state: dict[str, Any], model: "ShardedModule", group: collectives.Group) -> None:
-    """Write ``state`` into a temporary directory beside ``path``, record checksums, and have the
-    first rank publish it (``_commit``); every collective runs over ``group``."""
+def _save(path: str, state: dict[str, Any], body: bytes | None, model: "ShardedModule", group: collectives.Group) -> None:
+    """Write ``state`` (and the extra state's JSON ``body``) into a temporary directory beside
+    ``path``, record checksums, and have the first rank publish it (``_commit``); every collective
+    runs over ``group``."""
     _reached("started")
     tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model, group)
     try:
@@ -234,6 +275,8 @@ def _save(path: str, state: dict[str, Any], model: "ShardedModule", group: colle
     failure = None
     if collectives.group_rank(group) == 0:
         try:
+            if body is not None:
+                records[files.EXTRA_STATE] = files.write_extra_state(tmp, body)
             files.write_manifest(tmp, records)
             _reached("agreed")
             _commit(tmp, path)
@@ -367,8 +410,19 @@ def _read_into(path: str, reader: files.SafeReader, scratch: dict[str, Any], *, 
         raise _refusal(path, exc) from None
 
 
-def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by ``save_checkpoint`` at any world size.
+def _read_extra_state(path: str, records: dict[str, files.FileRecord] | None) -> dict[str, Any] | None:
+    try:
+        return files.read_extra_state(path, records)
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
+
+
+def load_checkpoint(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any] | None:
+    """Load a checkpoint written by ``save_checkpoint`` at any world size. Returns the
+    ``extra_state`` it was saved with (None when it was saved without one), read and verified
+    before anything is written.
 
     Raises on every rank, with the model and optimizer unchanged, when a file is damaged
     (``DamagedCheckpointError``), holds a pickled object other than DCP's metadata, tensors and
@@ -383,6 +437,7 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
     if records is None and rank == 0:
         _warn_unverified(path)
     metadata = _agreed(model, lambda: _read_metadata(path, records))
+    extra_state = _agreed(model, lambda: _read_extra_state(path, records))
     scratch = _agreed(model, lambda: _scratch(path, metadata, model, optimizer))
     # Each rank verifies its share of the data files, while DCP reads them where it can.
     mine = files.share(files.data_files(metadata), rank, world)
@@ -399,6 +454,7 @@ def load_checkpoint(path: str, model: "ShardedModule", optimizer: torch.optim.Op
             )
         optimizer.load_state_dict(state_dict.sharded_optim_load(model, optimizer, osd, copy=False))
     state_dict.commit_writes(model, state_dict.model_writes(model, scratch["model"]))
+    return extra_state
 
 
 def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 MANIFEST = "shardwrap-manifest.json"
+EXTRA_STATE = "shardwrap-extra-state.json"  # the caller's JSON (``save_checkpoint(extra_state=...)``)
 METADATA = ".metadata"
 _FORMAT = "shardwrap-manifest/1"
 _CHUNK = 8 << 20  # bytes read at a time when checksumming
@@ -176,6 +177,40 @@ def check_files(directory: str) -> dict[str, FileRecord] | None:
         if problems:
             raise DamagedCheckpointError("; ".join(problems))
     return records
+
+
+def write_extra_state(directory: str, body: bytes) -> FileRecord:
+    """Write the caller's extra state (JSON text) into ``directory``, flushed; its manifest record."""
+    path = os.path.join(directory, EXTRA_STATE)
+    with open(path, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    return checksum(path)
+
+
+def read_extra_state(directory: str, records: Mapping[str, FileRecord] | None) -> dict[str, Any] | None:
+    """The extra state saved with the checkpoint in ``directory`` (a JSON object), or None when it
+    was saved without one. With a manifest, the file must be listed in it and match its record: a
+    listed file that is gone, or an unlisted one that appeared, is damage."""
+    path = os.path.join(directory, EXTRA_STATE)
+    listed = records is not None and EXTRA_STATE in records
+    if not listed and not os.path.exists(path):
+        return None
+    if records is not None:
+        if not listed:
+            raise DamagedCheckpointError(f"file '{path}' is not in the manifest (it was added after the save)")
+        problems = verify(directory, records, [EXTRA_STATE])
+        if problems:
+            raise DamagedCheckpointError("; ".join(problems))
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise DamagedCheckpointError(f"file '{path}' is not readable JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise DamagedCheckpointError(f"file '{path}' holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def data_files(metadata: Metadata) -> list[str]:

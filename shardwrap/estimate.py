@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -125,6 +127,32 @@ def simulate(shape: Shape, world: int, precision: str) -> dict[str, float]:
     }
 
 
+def simulated_memory(shape: Shape, world: int, precision: str) -> tuple[int, int]:
+    """What ``simulate`` needs in memory, from the unit layouts alone: the bytes of rank 0's fp32
+    shards (written, so resident), and of the largest padded unsharded buffer (allocated per unit
+    in the compute dtype and never written, but each one allocation the OS must grant). Padding
+    rounds each parameter's dim 0 up to a multiple of the world size, so beyond the rows of a
+    parameter the buffers grow with W."""
+    from shardwrap.flat_param import FlatLayout
+
+    model = build_on_meta(shape)
+    blocks = list(getattr(model, "blocks"))
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    groups = [list(b.named_parameters()) for b in blocks]
+    groups.append([(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks])  # the root
+    layouts = [FlatLayout([n for n, _ in g], [p for _, p in g], world) for g in groups]
+    compute_bytes = 2 if precision in ("bf16", "fp16") else 4
+    return 4 * sum(la.shard_numel for la in layouts), compute_bytes * max(la.padded_unsharded_numel for la in layouts)
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, where the OS tells."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def unit_sizes(shape: Shape) -> tuple[int, int]:
     """Total parameters, and the largest unit: a block, or the root (embeddings, norm, head)."""
     model = build_on_meta(shape)
@@ -133,13 +161,35 @@ def unit_sizes(shape: Shape) -> tuple[int, int]:
     return psi, max(max(blocks), psi - sum(blocks))
 
 
+def _world_size(text: str) -> int:
+    """``--world-size``: a whole number of ranks, at least 1 (argparse names the option on error)."""
+    try:
+        world = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
+    if world < 1:
+        raise argparse.ArgumentTypeError(f"{world} ranks is impossible: give 1 or more")
+    return world
+
+
+def _param_count(text: str) -> float:
+    """``--params``: a finite count of at least one parameter (``1.3e9`` is accepted)."""
+    try:
+        count = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (write e.g. 1.3e9)") from None
+    if not math.isfinite(count) or count < 1:
+        raise argparse.ArgumentTypeError(f"{text} parameters is impossible: give a finite count of 1 or more")
+    return count
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m shardwrap.estimate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=float, help="parameter count (no unit sizes: largest unit reported as 0)")
+    src.add_argument("--params", type=_param_count, help="parameter count (no unit sizes: largest unit reported as 0)")
     src.add_argument("--model", choices=sorted(SHAPES))
-    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--world-size", type=_world_size, required=True, help="number of ranks, 1 or more")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="marked in the table")
     ap.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="none")
     ap.add_argument("--simulate", action="store_true")
@@ -155,6 +205,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.simulate:
         if not args.model:
             ap.error("--simulate needs --model (a shape to build)")
+        shards, largest = simulated_memory(SHAPES[args.model], args.world_size, args.mixed_precision)
+        have = _memory_bytes()
+        if have is not None and max(shards, largest) > have:
+            what = (f"{shards / GiB:.1f} GiB of fp32 shards on rank 0" if shards > have else
+                    f"a padded unsharded unit of {largest / GiB:.1f} GiB (padding grows with the world size)")
+            ap.error(f"--model {args.model} --world-size {args.world_size} with --simulate: the simulated wrap would "
+                     f"allocate {what}, more than this machine's {have / GiB:.1f} GiB; simulate another world size, "
+                     f"or drop --simulate (the formula needs no memory)")
         result["simulated"] = simulate(SHAPES[args.model], args.world_size, args.mixed_precision)
     if args.json:
         print(json.dumps(result))

@@ -497,6 +497,69 @@ def test_any_bit_flip_or_truncation_is_refused(file_index, kind, where, bit):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# ---- 2b. the caller's extra state, inside the same atomic checkpoint ------------------------------------
+
+EXTRA = {"step": 6, "epoch": 1, "windows_in_epoch": 48, "scaler": {"scale": 65536.0, "_growth_tracker": 3}}
+
+
+def on_ranks_extra_state(root: str) -> dict:
+    """Saves with extra state (good, differing between ranks, not JSON, None on one rank only) and
+    loads that return it; each refused save must raise on every rank and write nothing."""
+    from shardwrap import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    model = wrap(LIVE)
+    opt = optimizer_for(model, "by_dim")
+    fake_step(model, opt)
+    with_extra, without = os.path.join(root, "with"), os.path.join(root, "without")
+    save_checkpoint(with_extra, model, opt, extra_state=EXTRA)
+    save_checkpoint(without, model, opt)
+    refused = {
+        "differs": attempt(lambda: save_checkpoint(os.path.join(root, "differs"), model, opt, extra_state={"rank": rank})),
+        "not json": attempt(lambda: save_checkpoint(os.path.join(root, "tensor"), model, opt,
+                                                    extra_state={"loss": torch.tensor(1.0)})),
+        "one rank": attempt(lambda: save_checkpoint(os.path.join(root, "one"), model, opt,
+                                                    extra_state=EXTRA if rank == 1 else None)),
+    }
+    fresh = wrap(LIVE)
+    fresh_opt = optimizer_for(fresh, "by_dim")
+    loaded = load_checkpoint(with_extra, fresh, fresh_opt)
+    same = same_bits(snapshot(model, None)["params"], snapshot(fresh, None)["params"])
+    return {"loaded": loaded, "same": same, "none": load_checkpoint(without, fresh, fresh_opt), "refused": refused}
+
+
+def test_extra_state_round_trips_inside_the_atomic_checkpoint_and_is_verified(tmp_path):
+    from shardwrap.checkpoint_files import EXTRA_STATE
+
+    root = str(tmp_path)
+    results = run_on_ranks(2, on_ranks_extra_state, root)
+    for r in results:
+        assert r["loaded"] == EXTRA and r["same"] and r["none"] is None, r
+        assert r["refused"] == results[0]["refused"], "ranks raised different errors"
+        assert r["refused"]["differs"].startswith("ValueError: extra_state differs between rank 0 and rank(s) [1]"), r
+        assert r["refused"]["not json"].startswith("ValueError: extra_state cannot be saved as JSON"), r
+        assert r["refused"]["one rank"].startswith("ValueError: extra_state differs"), r
+    assert sorted(os.listdir(root)) == ["with", "without"]  # the refused saves wrote nothing
+    manifest = read_manifest(os.path.join(root, "with"))
+    assert EXTRA_STATE in manifest["files"] and EXTRA_STATE not in os.listdir(os.path.join(root, "without"))
+    with open(os.path.join(root, "with", EXTRA_STATE)) as f:
+        assert json.load(f) == EXTRA
+    # The extra state is verified like every other file, before anything is loaded.
+    flipped, gone, added = (str(tmp_path / n) for n in ("flipped", "gone", "added"))
+    shutil.copytree(os.path.join(root, "with"), flipped)
+    damage(os.path.join(flipped, EXTRA_STATE), "flip", 0.5, 1)
+    shutil.copytree(os.path.join(root, "with"), gone)
+    os.remove(os.path.join(gone, EXTRA_STATE))
+    shutil.copytree(os.path.join(root, "without"), added)
+    shutil.copy(os.path.join(root, "with", EXTRA_STATE), os.path.join(added, EXTRA_STATE))
+    outcomes = run_on_ranks(2, on_ranks_try_loads, [flipped, gone, added])
+    for rank in range(2):
+        for (message, unchanged, _), path, why in zip(outcomes[rank], [flipped, gone, added],
+                                                      ["CRC-32", "is missing", "not in the manifest"]):
+            assert message.startswith("DamagedCheckpointError") and os.path.join(path, EXTRA_STATE) in message, message
+            assert why in message and unchanged and message == outcomes[0][[flipped, gone, added].index(path)][0], message
+
+
 # ---- 3. a failed load changes nothing ----------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import collectives
@@ -35,7 +35,7 @@ from shardwrap.wrap import PolicyLike, as_policy
 _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made
+_SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
 _optimizer_hook_installed = False
 
 
@@ -306,6 +306,24 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                 )
 
 
+def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook: every unit whose parameters the optimizer holds counts as written.
+
+    Staleness is read from version counters (``Unit._shard_version``), and an in-place op through a
+    DTensor parameter bumps its counter, but torch's multi-tensor (``foreach``) and fused kernels
+    write DTensor parameters without bumping any counter (torch 2.13). Without this, a stage-1
+    model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
+    all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _SHARDED_PARAMS.get(p)
+            unit = ref() if ref is not None else None
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                unit.mark_written()
+
+
 def _prefer_foreach(group: dict[str, Any]) -> None:
     """``foreach=None`` (the default) means "let torch choose", and torch chooses the per-parameter
     loop for CPU tensors, where its multi-tensor kernels gain nothing. Over shardwrap's DTensor
@@ -430,7 +448,7 @@ class ShardedModule(nn.Module):
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
                 self._unit_of[id(new)] = (unit, j)
                 _RETIRED_PARAMS[old] = plan.fqns[j]
-                _SHARDED_PARAMS[new] = True
+                _SHARDED_PARAMS[new] = weakref.ref(unit)
             hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
             hooked.register_forward_pre_hook(outside_compile(unit.pre_forward), prepend=True)
             hooked.register_forward_hook(outside_compile(unit.post_forward))
@@ -455,6 +473,7 @@ class ShardedModule(nn.Module):
         global _optimizer_hook_installed
         if not _optimizer_hook_installed:
             register_optimizer_step_pre_hook(_check_optimizer_params)
+            register_optimizer_step_post_hook(_mark_stepped_units)
             _optimizer_hook_installed = True
         if self.mixed_precision.buffer_dtype is not None:
             with torch.no_grad():

@@ -93,6 +93,20 @@ def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | N
     return work, out
 
 
+def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's list of ``len(values)`` int64 values, in rank order (one small collective).
+
+    With 2 ranks, rank 0 passing ``[7, 1]`` and rank 1 passing ``[7, 2]``, both get
+    ``[[7, 1], [7, 2]]``. Counted under ``"ints"``. The output starts as this rank's values
+    repeated, so a fake process group (which moves nothing) reports every rank equal.
+    """
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    _count_tensor("ints", mine)
+    out = mine.repeat(dist.get_world_size(group))
+    _all_gather_single(out, mine, group=group)
+    return out.view(-1, len(values)).tolist()
+
+
 def wait(work: dist.Work | None) -> None:
     """Block until ``work`` finished (on NCCL: order the current stream after it)."""
     if work is not None:
@@ -193,6 +207,13 @@ def group_rank(group: dist.ProcessGroup) -> int:
 
 def backend() -> str:
     return str(dist.get_backend())
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default process group (every rank)."""
+    group = dist.group.WORLD
+    assert group is not None  # is_initialized() was checked by the caller
+    return group
 
 
 def default_mesh(device_type: str) -> DeviceMesh:

@@ -21,7 +21,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwrap import collectives
+from shardwrap import agreement, collectives
 from shardwrap import state_dict as _sd
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
@@ -345,6 +345,9 @@ class ShardedModule(nn.Module):
         policy = as_policy(auto_wrap_policy)
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
+        if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
+            described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
+            agreement.check_same_model(described, collectives.default_group())
         on_meta = _meta_init_check(module, param_init_fn)
         init_device = _init_device() if on_meta else None
         device = _check_unit_tensors(plans, meta_ok=on_meta)

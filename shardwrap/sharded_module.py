@@ -9,6 +9,7 @@ See design/architecture.md for the whole data path.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -474,19 +475,42 @@ class ShardedModule(nn.Module):
         """Whether a backward of this model is running. A unit's forward then is activation
         checkpointing recomputing it. The engine's graph task id covers a recomputation that
         comes before any of this model's backward hooks ran."""
+        running = torch._C._current_graph_task_id() != -1
         if self._state is TrainingState.BACKWARD:
-            return True
-        if torch._C._current_graph_task_id() != -1:
+            return running  # BACKWARD with no backward running: it raised (root_pre_forward recovers)
+        if running:
             self.begin_backward()
             return True
         return False
 
     def root_pre_forward(self) -> None:
         """The root unit's forward starts: a new step's forward, unless one is still owed a
-        backward (several forwards before one backward)."""
+        backward (several forwards before one backward). A forward or backward that raised
+        before it finished is cleaned up first."""
+        if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
+            self._recover()
         if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
+
+    def _recover(self) -> None:
+        """The last forward or backward raised before it finished (a user hook, an autograd
+        function, the loss): wait for every collective it left in flight (so the ranks stay
+        paired), drop every gradient it left pending, reshard every unit, and start afresh
+        (design/notes/rank-agreement.md)."""
+        phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
+        for unit in self._units:
+            unit.abandon()
+        self.schedule.end_backward()  # waits for the count exchanges still in flight
+        self.expect_backward = False
+        self._state = TrainingState.IDLE
+        warnings.warn(
+            f"rank {collectives.rank()}: the previous {phase} of this ShardedModule raised before it "
+            f"finished; its pending gradients were dropped and every unit was resharded. Call "
+            f"optimizer.zero_grad() before the next backward: p.grad may hold part of the failed step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def root_post_forward(self) -> None:
         """The root unit's forward ended: drop units gathered ahead that were not used, and if no

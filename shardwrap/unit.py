@@ -566,6 +566,37 @@ class Unit:
         self._free_unsharded()
         self._data = DataState.SHARDED
 
+    def abandon(self) -> None:
+        """Drop what a forward or backward that raised left behind: -> SHARDED (stage 1: the
+        buffer stays), no gradient pending (GradState NONE unless it was settled), IDLE.
+
+        Collectives in flight are waited for, not dropped, so this rank's sequence stays paired
+        with its peers'; their results are thrown away. A gradient accumulated under ``no_sync``
+        is dropped with the failed step's."""
+        gather, self._gather = self._gather, None
+        if gather is not None:
+            collectives.wait(gather.work)
+            if self.shard_in_unsharded:  # the buffer's other rows are old: gather again next time
+                self._data, self._gathered_version = DataState.UNSHARDED, -1
+        reduction, self._reduction = self._reduction, None
+        if reduction is not None:
+            if isinstance(reduction.done, _WaiterProbe):
+                reduction.done.join()
+            collectives.wait(reduction.work)
+        self._packed = None
+        leaf = self.unsharded_trainable
+        if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
+            if self.stage.keep_unsharded_grad and leaf.grad is not None:
+                leaf.grad.zero_()
+            self._grad = GradState.NONE
+        if not self.stage.keep_unsharded_grad:
+            leaf.grad = None
+        self._install_sharded_params()
+        if not self.shard_in_unsharded:
+            self._free_unsharded()
+            self._data = DataState.SHARDED
+        self.training_state = TrainingState.IDLE
+
     def _free_unsharded(self) -> None:
         # Autograd may still hold views of this storage; shrinking the storage (not dropping the
         # tensor) frees the memory and keeps those views valid for the next unshard.

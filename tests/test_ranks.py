@@ -10,7 +10,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
+from torch.distributed.tensor import DTensor
+
 from harness import run_on_ranks
+from parity import Case, assert_close_params, build_model, build_optimizer, global_batch
 
 
 # ---- part 4: every rank wraps the same model ------------------------------------------------
@@ -75,3 +78,137 @@ def on_ranks_same_model_costs_one_collective() -> dict:
 def test_the_check_is_one_16_byte_collective():
     for counts in run_on_ranks(2, on_ranks_same_model_costs_one_collective):
         assert counts["ints_calls"] == 1 and counts["ints"] == 2, counts
+
+
+# ---- part 5: an exception never leaves the module stuck -------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise Boom("backward")
+
+
+FAIL = {"kind": None}  # set by the training loop, read by the hook on blocks[1]
+
+
+def failing_hook(module, args, output):  # type: ignore[no-untyped-def]
+    if FAIL["kind"] == "forward":
+        raise Boom("forward")
+    if FAIL["kind"] == "backward":
+        return _RaiseInBackward.apply(output)
+    return output
+
+
+def failing_step(model, batch, kind) -> bool:  # type: ignore[no-untyped-def]
+    """One forward and backward that raise at ``kind`` (None: a normal step). True if it raised."""
+    FAIL["kind"] = kind
+    try:
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        if kind == "loss":
+            raise Boom("loss")
+        loss.backward()
+    except Boom:
+        return True
+    finally:
+        FAIL["kind"] = None
+    return False
+
+
+PLAN = {1: "forward", 2: "backward", 4: "loss", 5: "backward"}  # step -> where it raises
+RECOVER = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=7)
+
+
+def on_ranks_recover_after_exceptions(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = build_model(RECOVER)
+    plain.blocks[1].register_forward_hook(failing_hook)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(RECOVER, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(RECOVER.steps):
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(RECOVER, step).items()}
+            if not failing_step(model, batch, PLAN.get(step)):
+                opt.step()
+            opt.zero_grad()
+    warned = [str(w.message) for w in caught if "raised before it finished" in str(w.message)]
+    return {"full": model.full_state_dict(), "warned": warned}
+
+
+def reference_skipping_failed_steps() -> dict:
+    model = build_model(RECOVER)
+    opt = build_optimizer(RECOVER, model)
+    for step in range(RECOVER.steps):
+        if step in PLAN:
+            continue
+        batch = global_batch(RECOVER, step)
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_that_raised_is_skipped_and_training_goes_on(stage):
+    expected = reference_skipping_failed_steps()
+    results = run_on_ranks(2, on_ranks_recover_after_exceptions, stage, timeout=60)
+    full = results[0]["full"]
+    assert set(full) == set(expected)
+    for name, value in expected.items():
+        assert_close_params(full[name], value, "sgd", RECOVER.steps, name)
+    for r in results:  # the forward, the first backward, the second backward (the loss leaves nothing)
+        assert len(r["warned"]) == 3, r["warned"]
+        assert "previous forward" in r["warned"][0] and "previous backward" in r["warned"][1], r["warned"]
+
+
+def on_ranks_hundred_failures(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+    from shardwrap.unit import DataState, GradState, TrainingState
+
+    torch.manual_seed(0)
+    plain = models.mlp(8, 3)
+    plain.blocks[1].register_forward_hook(failing_hook)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 5)}
+    kinds = ["forward", "backward", "loss"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(100):
+            failing_step(model, batch, kinds[i % 3])
+            opt.zero_grad()
+        ok = not failing_step(model, batch, None)  # the recovery runs in this forward
+        opt.step()
+        opt.zero_grad()
+    settled_data = DataState.UNSHARDED if stage == 1 else DataState.SHARDED
+    return {
+        "ok": ok,
+        "data": all(u.data_state in (settled_data, DataState.UNSHARDED_STALE) for u in model.units),
+        "freed": stage == 1 or all(u.unsharded_buffer.untyped_storage().nbytes() == 0 for u in model.units),
+        "grad": all(u.grad_state in (GradState.NONE, GradState.REDUCED) for u in model.units),
+        "nothing_pending": all(u._packed is None and u._reduction is None and u._gather is None for u in model.units),
+        "idle": model._state is TrainingState.IDLE and all(u.training_state is TrainingState.IDLE for u in model.units),
+        "schedule_empty": not (model.schedule.pre_forward or model.schedule.post_forward or model.schedule._in_flight),
+        "slots": all(isinstance(p, DTensor) for p in model.module.parameters()),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_hundred_failed_steps_leave_nothing_behind(stage):
+    for r in run_on_ranks(2, on_ranks_hundred_failures, stage, timeout=90):
+        assert all(r.values()), r

@@ -371,6 +371,7 @@ class ShardedModule(nn.Module):
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self.expect_backward = False  # a unit's outputs require grad: a backward will follow
+        self.steps_done = 0  # backward passes finished (error messages name the step)
         self.sync = True  # False inside no_sync()
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -584,6 +585,7 @@ class ShardedModule(nn.Module):
             unit.training_state = TrainingState.IDLE
         self.expect_backward = False
         self._state = TrainingState.IDLE
+        self.steps_done += 1
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
 

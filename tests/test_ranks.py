@@ -212,3 +212,81 @@ def on_ranks_hundred_failures(stage: int) -> dict:
 def test_a_hundred_failed_steps_leave_nothing_behind(stage):
     for r in run_on_ranks(2, on_ranks_hundred_failures, stage, timeout=90):
         assert all(r.values()), r
+
+
+# ---- part 6: divergent ranks get a named error at every stage --------------------------------
+
+EXTRA = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=3)
+
+
+def on_ranks_extra_forward(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(EXTRA, model)
+    try:
+        for step in range(EXTRA.steps):
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(EXTRA, step).items()}
+            if step == 1 and rank == 0:
+                model(batch["x"])  # one forward more than the other rank, its output unused
+            ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "full": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_extra_forward_on_one_rank_gives_the_answer_or_a_named_error(stage):
+    from harness import RankError
+
+    try:
+        # A short process-group timeout: a rank whose peer already raised learns it at the timeout.
+        results = run_on_ranks(2, on_ranks_extra_forward, stage, timeout=60, pg_timeout=5)
+    except RankError as err:  # a rank raised something other than a RuntimeError
+        raise AssertionError(err) from None
+    errors = [r["error"] for r in results]
+    if stage == 3:
+        assert all(errors), errors  # the collectives no longer pair up
+    if any(errors):
+        assert any(m and "ranks disagree on the next collective" in m and "rank 0:" in m and "rank 1:" in m for m in errors), errors
+        for message in errors:  # the rank that did not see the difference times out, naming where it waited
+            assert message and ("ranks disagree on the next collective" in message or "process group's timeout" in message), errors
+        return
+    expected = train_reference_steps(EXTRA)
+    for name, value in expected.items():
+        assert_close_params(results[0]["full"][name], value, "sgd", EXTRA.steps, name)
+
+
+def train_reference_steps(case: Case) -> dict:
+    model = build_model(case)
+    opt = build_optimizer(case, model)
+    for step in range(case.steps):
+        batch = global_batch(case, step)
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def on_ranks_stalled_rank() -> str:
+    import time
+
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block})
+    if dist.get_rank() == 1:
+        time.sleep(4)  # past the 2 s process-group timeout
+    try:
+        model(torch.randn(2, 16))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_stalled_rank_gives_a_timeout_error_naming_the_unit_and_collective():
+    messages = run_on_ranks(2, on_ranks_stalled_rank, timeout=60, pg_timeout=2)
+    assert "all-gather of unit '<root>' in forward of step 1" in messages[0], messages
+    assert "did not complete within the process group's timeout" in messages[0] and "init_process_group(timeout=" in messages[0], messages

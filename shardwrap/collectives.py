@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,22 +81,61 @@ def reduce_scatter(
     return _reduce_scatter_single(output, padded_input, group=group, async_op=async_op)
 
 
-def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | None, torch.Tensor]:
-    """Start gathering one integer from every rank (CPU groups); returns the work and the output.
+# The first element of every small exchange on the all-gather group says what it is, so that two
+# ranks whose sequences diverged meet two exchanges of the same size and can name the difference
+# instead of pairing a small exchange with a data all-gather (design/notes/rank-agreement.md).
+HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS = 1, 2, 3
 
-    Counted apart from the data all-gathers, under ``"counts"``.
+
+def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | None, torch.Tensor]:
+    """Start gathering ``[HEADER_COUNTS, count]`` from every rank (CPU groups); returns the work
+    and the ``(W, 2)`` output. Counted apart from the data all-gathers, under ``"counts"``.
     """
-    mine = torch.tensor([count], dtype=torch.int64)
+    mine = torch.tensor([HEADER_COUNTS, count], dtype=torch.int64)
     _count_tensor("counts", mine)
-    out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
-    work = _all_gather_single(out, mine, group=group, async_op=True)
+    out = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64)
+    work = _all_gather_single(out.view(-1), mine, group=group, async_op=True)
     return work, out
 
 
-def wait(work: dist.Work | None) -> None:
-    """Block until ``work`` finished (on NCCL: order the current stream after it)."""
-    if work is not None:
+def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, what: str = "", kind: str = "ints") -> list[list[int]]:
+    """Every rank's list of ``len(values)`` int64 values, in rank order (one small collective).
+
+    With 2 ranks, rank 0 passing ``[7, 1]`` and rank 1 passing ``[7, 2]``, both get
+    ``[[7, 1], [7, 2]]``. Counted under ``kind``. The output starts as this rank's values
+    repeated, so a fake process group (which moves nothing) reports every rank equal. ``what``
+    names the collective in a timeout error.
+    """
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    _count_tensor(kind, mine)
+    out = mine.repeat(dist.get_world_size(group))
+    wait(_all_gather_single(out, mine, group=group, async_op=True), what)
+    return out.view(-1, len(values)).tolist()
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the process group's timeout."""
+
+
+class Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+
+def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
+    """Block until ``work`` finished (on NCCL: order the current stream after it). A timeout is
+    re-raised as ``CollectiveTimeout`` naming ``what`` (the unit, the collective, the step)."""
+    if work is None:
+        return
+    try:
         work.wait()
+    except RuntimeError as exc:
+        if not what or "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise CollectiveTimeout(
+            f"rank {rank()}: {what} did not complete within the process group's timeout: another rank "
+            f"stalled, died, or runs other collectives. Look at the other ranks' errors; if the delay is "
+            f"expected, raise the timeout with torch.distributed.init_process_group(timeout=...) ({exc})"
+        ) from exc
 
 
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -193,6 +232,13 @@ def group_rank(group: dist.ProcessGroup) -> int:
 
 def backend() -> str:
     return str(dist.get_backend())
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default process group (every rank)."""
+    group = dist.group.WORLD
+    assert group is not None  # is_initialized() was checked by the caller
+    return group
 
 
 def default_mesh(device_type: str) -> DeviceMesh:

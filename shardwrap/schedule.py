@@ -14,7 +14,7 @@ state (design/notes/collective-schedule.md):
 * at the end of backward, whatever a rank's graph skipped is handed out anyway: the missing
   all-gathers, and reduce-scatters (of zeros where a rank has no gradient);
 * reduce-scatters in flight are bounded by waiting only for those every rank has started, which
-  ranks learn from a one-integer all-gather beside each scheduled backward unit (CPU groups).
+  ranks learn from a small all-gather beside each scheduled backward unit (CPU groups).
 
 The schedule reads a unit's state (``grad_state``, ``data_state``, ``reduce_completed``) but
 never writes it.
@@ -31,6 +31,24 @@ from shardwrap import collectives
 
 if TYPE_CHECKING:
     from shardwrap.unit import Unit
+
+
+OUT_OF_STEP_HINT = (
+    "Every rank must run the same forwards and backwards, in the same order, through the same "
+    "units: an extra forward, a skipped backward or a data-dependent branch on one rank breaks that"
+)
+
+
+def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> str:
+    """What a peer's small exchange says it is, in words."""
+    name = unit_names[value] if unit_names is not None and 0 <= value < len(unit_names) else f"#{value}"
+    if kind == collectives.HEADER_FORWARD:
+        return f"all-gather of unit '{name}' in forward"
+    if kind == collectives.HEADER_BACKWARD:
+        return f"all-gather of unit '{name}' in backward"
+    if kind == collectives.HEADER_COUNTS:
+        return "a reduce-scatter count exchange in backward"
+    return f"an unknown exchange ({kind}, {value})"
 
 
 class CollectiveSchedule:
@@ -160,6 +178,15 @@ class CollectiveSchedule:
         if self._counting and self.group is not None:
             self._exchanges.append(collectives.exchange_counts(self._started, self.group))
 
+    def _wait_exchange(self, work: collectives.Work | None, counts: torch.Tensor) -> None:
+        """Wait for a count exchange; raise if a peer sent something else in its place (its
+        sequence diverged: design/notes/rank-agreement.md)."""
+        collectives.wait(work, "a reduce-scatter count exchange in backward")
+        kinds = counts[:, 0].tolist()
+        if any(k != collectives.HEADER_COUNTS for k in kinds):
+            seen = ", ".join(f"rank {r}: {header_text(k, int(v))}" for r, (k, v) in enumerate(counts.tolist()))
+            raise RuntimeError(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
+
     def reductions_due(self) -> Iterator[Unit]:
         """Units whose reduce-scatter may start now, in order: each has its gradient packed and
         every unit before it has started. The caller starts each, then calls ``started``."""
@@ -199,8 +226,8 @@ class CollectiveSchedule:
         it beside the same scheduled unit without waiting for anything this rank has not issued."""
         while self._started_everywhere <= position and self._exchanges:
             work, counts = self._exchanges.popleft()
-            collectives.wait(work)
-            self._started_everywhere = max(self._started_everywhere, int(counts.min()))
+            self._wait_exchange(work, counts)
+            self._started_everywhere = max(self._started_everywhere, int(counts[:, 1].min()))
         return self._started_everywhere > position
 
     # ---- end of backward ----------------------------------------------------------------------
@@ -220,9 +247,9 @@ class CollectiveSchedule:
 
     def end_backward(self) -> None:
         """Wait for the count exchanges still in flight and forget this backward."""
-        for work, _ in self._exchanges:
-            collectives.wait(work)
-        self._exchanges.clear()
+        exchanges, self._exchanges = self._exchanges, deque()
+        for work, counts in exchanges:
+            self._wait_exchange(work, counts)
         self._counting = False
         self._in_flight = []
         self._gather, self._reduce = [], []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwrap import collectives
+from shardwrap import agreement, collectives
 from shardwrap import state_dict as _sd
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.schedule import CollectiveSchedule
@@ -408,6 +409,9 @@ class ShardedModule(nn.Module):
         policy = as_policy(auto_wrap_policy)
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
+        if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
+            described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
+            agreement.check_same_model(described, collectives.default_group())
         on_meta = _meta_init_check(module, param_init_fn)
         init_device = _init_device() if on_meta else None
         device = _check_unit_tensors(plans, meta_ok=on_meta)
@@ -430,6 +434,7 @@ class ShardedModule(nn.Module):
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self.expect_backward = False  # a unit's outputs require grad: a backward will follow
+        self.steps_done = 0  # backward passes finished (error messages name the step)
         self.sync = True  # False inside no_sync()
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -579,21 +584,44 @@ class ShardedModule(nn.Module):
         """Whether a backward of this model is running. A unit's forward then is activation
         checkpointing recomputing it. The engine's graph task id covers a recomputation that
         comes before any of this model's backward hooks ran."""
+        running = torch._C._current_graph_task_id() != -1
         if self._state is TrainingState.BACKWARD:
-            return True
-        if torch._C._current_graph_task_id() != -1:
+            return running  # BACKWARD with no backward running: it raised (root_pre_forward recovers)
+        if running:
             self.begin_backward()
             return True
         return False
 
     def root_pre_forward(self) -> None:
         """The root unit's forward starts: a new step's forward, unless one is still owed a
-        backward (several forwards before one backward)."""
+        backward (several forwards before one backward). A forward or backward that raised
+        before it finished is cleaned up first."""
         for unit in self._units:
             unit.check_requires_grad()
+        if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
+            self._recover()
         if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
+
+    def _recover(self) -> None:
+        """The last forward or backward raised before it finished (a user hook, an autograd
+        function, the loss): wait for every collective it left in flight (so the ranks stay
+        paired), drop every gradient it left pending, reshard every unit, and start afresh
+        (design/notes/rank-agreement.md)."""
+        phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
+        for unit in self._units:
+            unit.abandon()
+        self.schedule.end_backward()  # waits for the count exchanges still in flight
+        self.expect_backward = False
+        self._state = TrainingState.IDLE
+        warnings.warn(
+            f"rank {collectives.rank()}: the previous {phase} of this ShardedModule raised before it "
+            f"finished; its pending gradients were dropped and every unit was resharded. Call "
+            f"optimizer.zero_grad() before the next backward: p.grad may hold part of the failed step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def root_post_forward(self) -> None:
         """The root unit's forward ended: drop units gathered ahead that were not used, and if no
@@ -667,6 +695,7 @@ class ShardedModule(nn.Module):
             unit.training_state = TrainingState.IDLE
         self.expect_backward = False
         self._state = TrainingState.IDLE
+        self.steps_done += 1
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
 

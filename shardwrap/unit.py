@@ -83,6 +83,11 @@ class _WaiterProbe:
     def join(self) -> None:
         self._done.result()
 
+    def wait(self) -> bool:
+        """``join`` under the name ``collectives.wait`` calls (a timeout re-raised with context)."""
+        self._done.result()
+        return True
+
 
 def completion_probe(work: collectives.Work | None, device: torch.device) -> Callable[[], bool] | None:
     """A non-blocking "has this collective finished?" for ``work`` (None: nothing in flight).
@@ -551,6 +556,8 @@ class Unit:
         if not layout.slots:
             self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
             return
+        if self.device.type == "cpu" and W > 1:
+            self._check_in_step()
         send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
         gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
         work = collectives.all_gather(gathered, send, self.group, async_op=True)
@@ -558,12 +565,33 @@ class Unit:
         if not async_op:
             self._finish_gather()
 
+    def _where(self, collective: str) -> str:
+        """``collective`` of this unit, the phase and the step, for error messages."""
+        root = self._root
+        phase = "backward" if root.in_backward() else "forward"
+        return f"the {collective} of unit '{self.name}' in {phase} of step {root.steps_done + 1}"
+
+    def _check_in_step(self) -> None:
+        """Before the data all-gather, one 16-byte all-gather of (phase, unit index): if a peer
+        is at another unit, another phase, or a count exchange, every rank raises here instead
+        of gloo aborting on a size mismatch (design/notes/rank-agreement.md). CPU only."""
+        kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
+        rows = collectives.all_gather_ints([kind, self.index], self.group, what=self._where("all-gather"), kind="headers")
+        if any(row != [kind, self.index] for row in rows):
+            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+
+            seen = ", ".join(f"rank {r}: {header_text(k, v, list(self._unit_names))}" for r, (k, v) in enumerate(rows))
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at {self._where('all-gather')} "
+                f"({seen}). {OUT_OF_STEP_HINT}"
+            )
+
     def _finish_gather(self) -> None:
         self._expect_data("finish an all-gather", DataState.GATHERING)
         gather = self._gather
         assert gather is not None
         self._gather = None
-        collectives.wait(gather.work)
+        collectives.wait(gather.work, self._where("all-gather"))
         self._check_tags(gather.output, gather.send)
         storage = self._padded_unsharded.untyped_storage()
         if storage.nbytes() == 0:
@@ -583,6 +611,38 @@ class Unit:
             return
         self._free_unsharded()
         self._data = DataState.SHARDED
+
+    def abandon(self) -> None:
+        """Drop what a forward or backward that raised left behind: -> SHARDED (stage 1: the
+        buffer stays), no gradient pending (GradState NONE unless it was settled), IDLE.
+
+        Collectives in flight are waited for, not dropped, so this rank's sequence stays paired
+        with its peers'; their results are thrown away. A gradient accumulated under ``no_sync``
+        is dropped with the failed step's."""
+        gather, self._gather = self._gather, None
+        if gather is not None:
+            collectives.wait(gather.work)
+            if self.shard_in_unsharded:  # the buffer's other rows are old: gather again next time
+                self._data, self._gathered_version = DataState.UNSHARDED, -1
+        reduction, self._reduction = self._reduction, None
+        if reduction is not None:
+            if isinstance(reduction.done, _WaiterProbe):
+                reduction.done.join()
+            collectives.wait(reduction.work)
+        self._packed = None
+        self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
+        leaf = self.unsharded_trainable
+        if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
+            if self.stage.keep_unsharded_grad and leaf.grad is not None:
+                leaf.grad.zero_()
+            self._grad = GradState.NONE
+        if not self.stage.keep_unsharded_grad:
+            leaf.grad = None
+        self._install_sharded_params()
+        if not self.shard_in_unsharded:
+            self._free_unsharded()
+            self._data = DataState.SHARDED
+        self.training_state = TrainingState.IDLE
 
     def _free_unsharded(self) -> None:
         # Autograd may still hold views of this storage; shrinking the storage (not dropping the
@@ -743,9 +803,10 @@ class Unit:
         r = self._reduction
         assert r is not None
         self._reduction = None
+        what = self._where("reduce-scatter")
         if isinstance(r.done, _WaiterProbe):
-            r.done.join()  # never wait on one Work from two threads at once
-        collectives.wait(r.work)  # on NCCL this orders the current stream after the collective
+            collectives.wait(r.done, what)  # never wait on one Work from two threads at once
+        collectives.wait(r.work, what)  # on NCCL this orders the current stream after the collective
         reduced, S = r.output, self.layout.grad_shard_numel
         self._grad = GradState.REDUCED
         if not r.used_here and reduced[S].item() == 0:

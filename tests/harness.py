@@ -42,14 +42,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Any, path: list[str]) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Any, path: list[str], pg_timeout: float | None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [p for p in path if p not in sys.path]
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    from datetime import timedelta
+
+    timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout)
     while True:
         message = conn.recv()
         if message is None:
@@ -66,14 +69,14 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, path: list[str]) -
 
 
 class RankPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, pg_timeout: float | None = None) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.world_size = world_size
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, list(sys.path)), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, list(sys.path), pg_timeout), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -113,36 +116,44 @@ class RankPool:
                 proc.kill()
 
 
-_pools: dict[int, RankPool] = {}
+_pools: dict[tuple[int, float | None], RankPool] = {}
 
 
 def run_on_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, fresh: bool = False, **kwargs: Any
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180.0,
+    fresh: bool = False,
+    pg_timeout: float | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
     """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, over gloo.
 
     ``fresh=True`` runs it in newly started processes (as a job resumed after a restart would).
+    ``pg_timeout`` (seconds) runs it in a pool whose process group has that timeout.
     """
+    key = (world_size, pg_timeout)
     if fresh:
-        _drop(world_size, kill=False)
-    pool = _pools.get(world_size)
+        _drop(key, kill=False)
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[key] = RankPool(world_size, pg_timeout)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except RankTimeout:
-        _drop(world_size, kill=True)
+        _drop(key, kill=True)
         raise
     except RankError as err:
         # Ranks that all failed the same way (validation before any collective) stay in step;
         # anything else may have left a collective half-done, so start afresh.
         if len(err.failures) < world_size or len(set(err.messages)) > 1:
-            _drop(world_size, kill=True)
+            _drop(key, kill=True)
         raise
 
 
-def _drop(world_size: int, *, kill: bool) -> None:
-    pool = _pools.pop(world_size, None)
+def _drop(key: tuple[int, float | None], *, kill: bool) -> None:
+    pool = _pools.pop(key, None)
     if pool is not None:
         if kill:
             for proc in pool.procs:
@@ -153,5 +164,5 @@ def _drop(world_size: int, *, kill: bool) -> None:
 
 @atexit.register
 def _shutdown() -> None:
-    for world_size in list(_pools):
-        _drop(world_size, kill=False)
+    for key in list(_pools):
+        _drop(key, kill=False)

@@ -243,12 +243,13 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         assert passes_psi * (W - 1) / W <= sent_ag <= (passes_psi + pad * max(gathers)) * (W - 1) / W, (stage, sent_ag, one_pass)
         assert one_pass <= sent_rs <= (psi + pad) * (W - 1) / W, (stage, sent_rs, one_pass)
         # Every byte of a step, from the layouts: each unit's all-gathers (its shard and the tag, in
-        # fp32), its reduce-scatter (W rows of its gradient shard and the used-flag), and one int64
-        # count exchange beside each unit backward gathers.
-        expected = sum(4 * (S + 1) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
-        expected += 8 * len(r["layouts"])
+        # fp32) each after a 2 x int64 header (design/notes/rank-agreement.md), its reduce-scatter
+        # (W rows of its gradient shard and the used-flag), and one 2 x int64 count exchange beside
+        # each unit backward gathers.
+        expected = sum((4 * (S + 1) + 16) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
+        expected += 16 * len(r["layouts"])
         assert c["bytes"] == expected, (stage, c, expected)
-        assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "bytes"}, c
+        assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "headers", "bytes"}, c
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -1,0 +1,292 @@
+"""Ranks that disagree get a named Python error on every rank, never a signal, a hang or a
+silent wrong number; an exception inside a step leaves the module usable
+(design/notes/rank-agreement.md). Functions named ``on_ranks_*`` run on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from torch.distributed.tensor import DTensor
+
+from harness import run_on_ranks
+from parity import Case, assert_close_params, build_model, build_optimizer, global_batch
+
+
+# ---- part 4: every rank wraps the same model ------------------------------------------------
+
+
+def rank_model(case: str) -> nn.Module:
+    """A two-block MLP that differs on rank 1 as ``case`` says."""
+    torch.manual_seed(0)
+    model = models.mlp(16, 2)
+    if dist.get_rank() != 1:
+        return model
+    block = model.blocks[1]
+    if case == "shape":
+        block.up = nn.Linear(16, 33)
+    elif case == "transposed":  # same number of elements: would silently train another model
+        block.up.weight = nn.Parameter(torch.randn(block.up.weight.shape[::-1]))
+    elif case == "dtype":
+        model.head.double()  # the root unit then mixes dtypes on rank 1 only: still the same error everywhere
+    elif case == "requires_grad":
+        block.up.bias.requires_grad_(False)
+    elif case == "extra":
+        block.register_parameter("extra", nn.Parameter(torch.zeros(3)))
+    return model
+
+
+def on_ranks_wrap_different_models(case: str) -> str:
+    from shardwrap import ShardedModule
+
+    try:
+        ShardedModule(rank_model(case), auto_wrap_policy={models.Block})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+EXPECTED_DIFFERENCE = {
+    "shape": ["'blocks.1.up.weight'", "(32, 16)", "(33, 16)"],
+    "transposed": ["'blocks.1.up.weight'", "(32, 16)", "(16, 32)"],
+    "dtype": ["'head.weight'", "float32", "float64"],
+    "requires_grad": ["'blocks.1.up.bias'", "requires_grad=True", "requires_grad=False"],
+    "extra": ["'blocks.1.extra'", "rank 0: no parameter 'blocks.1.extra'", "shape (3,)"],
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTED_DIFFERENCE))
+def test_ranks_that_built_different_models_are_refused_on_every_rank(case):
+    messages = run_on_ranks(2, on_ranks_wrap_different_models, case, timeout=30)
+    assert messages[0] == messages[1], messages
+    for fragment in ["ranks built different models", "rank 0:", "rank 1:", *EXPECTED_DIFFERENCE[case]]:
+        assert fragment in messages[0], (case, fragment, messages[0])
+
+
+def on_ranks_same_model_costs_one_collective() -> dict:
+    from shardwrap import ShardedModule
+    from shardwrap.collectives import count_collectives
+
+    with count_collectives() as counted:
+        ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block})
+    return dict(counted)
+
+
+def test_the_check_is_one_16_byte_collective():
+    for counts in run_on_ranks(2, on_ranks_same_model_costs_one_collective):
+        assert counts["ints_calls"] == 1 and counts["ints"] == 2, counts
+
+
+# ---- part 5: an exception never leaves the module stuck -------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise Boom("backward")
+
+
+FAIL = {"kind": None}  # set by the training loop, read by the hook on blocks[1]
+
+
+def failing_hook(module, args, output):  # type: ignore[no-untyped-def]
+    if FAIL["kind"] == "forward":
+        raise Boom("forward")
+    if FAIL["kind"] == "backward":
+        return _RaiseInBackward.apply(output)
+    return output
+
+
+def failing_step(model, batch, kind) -> bool:  # type: ignore[no-untyped-def]
+    """One forward and backward that raise at ``kind`` (None: a normal step). True if it raised."""
+    FAIL["kind"] = kind
+    try:
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        if kind == "loss":
+            raise Boom("loss")
+        loss.backward()
+    except Boom:
+        return True
+    finally:
+        FAIL["kind"] = None
+    return False
+
+
+PLAN = {1: "forward", 2: "backward", 4: "loss", 5: "backward"}  # step -> where it raises
+RECOVER = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=7)
+
+
+def on_ranks_recover_after_exceptions(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = build_model(RECOVER)
+    plain.blocks[1].register_forward_hook(failing_hook)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(RECOVER, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(RECOVER.steps):
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(RECOVER, step).items()}
+            if not failing_step(model, batch, PLAN.get(step)):
+                opt.step()
+            opt.zero_grad()
+    warned = [str(w.message) for w in caught if "raised before it finished" in str(w.message)]
+    return {"full": model.full_state_dict(), "warned": warned}
+
+
+def reference_skipping_failed_steps() -> dict:
+    model = build_model(RECOVER)
+    opt = build_optimizer(RECOVER, model)
+    for step in range(RECOVER.steps):
+        if step in PLAN:
+            continue
+        batch = global_batch(RECOVER, step)
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_that_raised_is_skipped_and_training_goes_on(stage):
+    expected = reference_skipping_failed_steps()
+    results = run_on_ranks(2, on_ranks_recover_after_exceptions, stage, timeout=60)
+    full = results[0]["full"]
+    assert set(full) == set(expected)
+    for name, value in expected.items():
+        assert_close_params(full[name], value, "sgd", RECOVER.steps, name)
+    for r in results:  # the forward, the first backward, the second backward (the loss leaves nothing)
+        assert len(r["warned"]) == 3, r["warned"]
+        assert "previous forward" in r["warned"][0] and "previous backward" in r["warned"][1], r["warned"]
+
+
+def on_ranks_hundred_failures(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+    from shardwrap.unit import DataState, GradState, TrainingState
+
+    torch.manual_seed(0)
+    plain = models.mlp(8, 3)
+    plain.blocks[1].register_forward_hook(failing_hook)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 5)}
+    kinds = ["forward", "backward", "loss"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(100):
+            failing_step(model, batch, kinds[i % 3])
+            opt.zero_grad()
+        ok = not failing_step(model, batch, None)  # the recovery runs in this forward
+        opt.step()
+        opt.zero_grad()
+    settled_data = DataState.UNSHARDED if stage == 1 else DataState.SHARDED
+    return {
+        "ok": ok,
+        "data": all(u.data_state in (settled_data, DataState.UNSHARDED_STALE) for u in model.units),
+        "freed": stage == 1 or all(u.unsharded_buffer.untyped_storage().nbytes() == 0 for u in model.units),
+        "grad": all(u.grad_state in (GradState.NONE, GradState.REDUCED) for u in model.units),
+        "nothing_pending": all(u._packed is None and u._reduction is None and u._gather is None for u in model.units),
+        "idle": model._state is TrainingState.IDLE and all(u.training_state is TrainingState.IDLE for u in model.units),
+        "schedule_empty": not (model.schedule.pre_forward or model.schedule.post_forward or model.schedule._in_flight),
+        "slots": all(isinstance(p, DTensor) for p in model.module.parameters()),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_hundred_failed_steps_leave_nothing_behind(stage):
+    for r in run_on_ranks(2, on_ranks_hundred_failures, stage, timeout=90):
+        assert all(r.values()), r
+
+
+# ---- part 6: divergent ranks get a named error at every stage --------------------------------
+
+EXTRA = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=3)
+
+
+def on_ranks_extra_forward(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(EXTRA, model)
+    try:
+        for step in range(EXTRA.steps):
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(EXTRA, step).items()}
+            if step == 1 and rank == 0:
+                model(batch["x"])  # one forward more than the other rank, its output unused
+            ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "full": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_extra_forward_on_one_rank_gives_the_answer_or_a_named_error(stage):
+    from harness import RankError
+
+    try:
+        # A short process-group timeout: a rank whose peer already raised learns it at the timeout.
+        results = run_on_ranks(2, on_ranks_extra_forward, stage, timeout=60, pg_timeout=5)
+    except RankError as err:  # a rank raised something other than a RuntimeError
+        raise AssertionError(err) from None
+    errors = [r["error"] for r in results]
+    if stage == 3:
+        assert all(errors), errors  # the collectives no longer pair up
+    if any(errors):
+        assert any(m and "ranks disagree on the next collective" in m and "rank 0:" in m and "rank 1:" in m for m in errors), errors
+        for message in errors:  # the rank that did not see the difference times out, naming where it waited
+            assert message and ("ranks disagree on the next collective" in message or "process group's timeout" in message), errors
+        return
+    expected = train_reference_steps(EXTRA)
+    for name, value in expected.items():
+        assert_close_params(results[0]["full"][name], value, "sgd", EXTRA.steps, name)
+
+
+def train_reference_steps(case: Case) -> dict:
+    model = build_model(case)
+    opt = build_optimizer(case, model)
+    for step in range(case.steps):
+        batch = global_batch(case, step)
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def on_ranks_stalled_rank() -> str:
+    import time
+
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block})
+    if dist.get_rank() == 1:
+        time.sleep(4)  # past the 2 s process-group timeout
+    try:
+        model(torch.randn(2, 16))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_stalled_rank_gives_a_timeout_error_naming_the_unit_and_collective():
+    messages = run_on_ranks(2, on_ranks_stalled_rank, timeout=60, pg_timeout=2)
+    assert "all-gather of unit '<root>' in forward of step 1" in messages[0], messages
+    assert "did not complete within the process group's timeout" in messages[0] and "init_process_group(timeout=" in messages[0], messages

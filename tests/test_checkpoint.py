@@ -272,8 +272,8 @@ def on_ranks_faults(path: str, other_path: str) -> dict:
 
     real_write = ckpt._write
 
-    def dies_halfway(state, tmp):
-        real_write(state, tmp)  # data is written...
+    def dies_halfway(state, tmp, group):
+        real_write(state, tmp, group)  # data is written...
         raise KeyboardInterrupt("killed before the rename")  # ...but the save never completes
 
     ckpt._write = dies_halfway

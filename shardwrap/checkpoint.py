@@ -76,8 +76,16 @@ def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
 # ---- sharded checkpoints (DCP) ------------------------------------------------------------------
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer (each file synced to disk), with the ``"writing"`` fault point."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        _reached("writing")
+        return super().write_data(plan, planner)
+
+
 def _write(state: dict[str, Any], tmp: str, group: collectives.Group) -> Metadata:
-    return dcp.save(state, checkpoint_id=tmp, process_group=group)
+    return dcp.save(state, storage_writer=_Writer(tmp), process_group=group)
 
 
 def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:
@@ -98,7 +106,8 @@ def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", grou
 
 
 # Tests set this to simulate a crash (SIGKILL) or a slow write at a named point of a save: "started"
-# (the save's own work begins: on the helper thread for a background save), "written" (every rank's
+# (the save's own work begins: on the helper thread for a background save), "writing" (DCP starts
+# writing this rank's data files into the temporary directory), "written" (every rank's
 # files are in the temporary directory), "agreed" (checksums gathered and the manifest written,
 # before the first rename), "moved_old" (the previous checkpoint renamed aside, the new one not
 # yet in place). Nothing in the package sets it.

@@ -293,10 +293,8 @@ def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced, and give groups of
-    shardwrap's CPU parameters torch's multi-tensor path where the user left the choice to torch."""
+    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced."""
     for group in optimizer.param_groups:
-        _prefer_foreach(group)
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
             if name is not None:
@@ -323,21 +321,6 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
             if unit is not None and id(unit) not in seen:
                 seen.add(id(unit))
                 unit.mark_written()
-
-
-def _prefer_foreach(group: dict[str, Any]) -> None:
-    """``foreach=None`` (the default) means "let torch choose", and torch chooses the per-parameter
-    loop for CPU tensors, where its multi-tensor kernels gain nothing. Over shardwrap's DTensor
-    parameters the loop pays DTensor dispatch for every op of every parameter (AdamW: 35 ms against
-    13 over plain chunks, benchmarks/optim_step.py), while the multi-tensor path pays it once per
-    op: so a group made only of shardwrap's CPU parameters gets ``foreach=True``, the choice torch
-    makes for them on CUDA. Same formulas, same results (design/notes/dtensor-parameters.md); an
-    explicit ``foreach=False`` or ``fused=True`` is left alone."""
-    params = group["params"]
-    if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get("differentiable"):
-        return
-    if params and all(p in _SHARDED_PARAMS and p.device.type == "cpu" for p in params):
-        group["foreach"] = True
 
 
 def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:

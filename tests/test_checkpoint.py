@@ -443,7 +443,7 @@ def on_ranks_load(case: Case, path: str) -> dict:
     return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt), "warnings": [str(w.message) for w in caught]}
 
 
-@pytest.mark.parametrize("point", ["written", "agreed", "moved_old"])
+@pytest.mark.parametrize("point", ["writing", "written", "agreed", "moved_old"])
 def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_loadable(tmp_path, point):
     from harness import RankTimeout
 

@@ -225,38 +225,7 @@ def test_load_state_dict_by_keyword():
     assert all(run_on_ranks(2, on_ranks_load_by_keyword))
 
 
-# ---- the optimizer's multi-tensor path ----------------------------------------------------------
-
-
-def on_ranks_foreach_choice() -> dict:
-    from shardwrap import ShardedModule
-
-    torch.manual_seed(0)
-    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block})
-    plain = models.mlp()
-    extra = torch.nn.Parameter(torch.zeros(3))
-    optimizers = {
-        "default": torch.optim.AdamW(model.parameters(), lr=1e-3),
-        "sgd_default": torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-        "explicit_loop": torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False),
-        "plain_model": torch.optim.AdamW(plain.parameters(), lr=1e-3),
-        "mixed_group": torch.optim.AdamW([*model.parameters(), extra], lr=1e-3),
-    }
-    x = torch.randn(4, 16)
-    model(x).pow(2).mean().backward()
-    plain(x).pow(2).mean().backward()
-    extra.grad = torch.zeros(3)
-    for opt in optimizers.values():
-        opt.step()
-    return {k: opt.param_groups[0]["foreach"] for k, opt in optimizers.items()}
-
-
-def test_groups_of_sharded_cpu_parameters_take_the_multi_tensor_path():
-    """Where the user left foreach to torch, shardwrap's CPU DTensor groups get foreach=True (torch
-    picks the per-parameter loop on CPU, which pays DTensor dispatch per op and parameter); every
-    other choice is left alone. The parity tests run this path with AdamW and SGD."""
-    for r in run_on_ranks(2, on_ranks_foreach_choice):
-        assert r == {"default": True, "sgd_default": True, "explicit_loop": False, "plain_model": None, "mixed_group": None}, r
+# ---- optimizer kernels that write the shards without a version bump ------------------------------
 
 
 def on_ranks_stage1_kernels(kernel: str, optim: str) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -83,6 +84,7 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
 }
 
 
+@functools.lru_cache(maxsize=None)  # one extraction per run, not one per round
 def load_previous(rev: str):  # type: ignore[no-untyped-def]
     """The shardwrap package as of ``rev``, importable beside the current one: ``git archive`` into a
     temporary folder, renamed to ``shardwrap_prev`` with its own imports rewritten to match."""

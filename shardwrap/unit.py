@@ -83,10 +83,7 @@ class _WaiterProbe:
     def join(self) -> None:
         self._done.result()
 
-    def wait(self) -> bool:
-        """``join`` under the name ``collectives.wait`` calls (a timeout re-raised with context)."""
-        self._done.result()
-        return True
+    wait = join  # what ``collectives.wait`` calls (a timeout re-raised with context)
 
 
 def completion_probe(work: collectives.Work | None, device: torch.device) -> Callable[[], bool] | None:
@@ -627,7 +624,7 @@ class Unit:
         reduction, self._reduction = self._reduction, None
         if reduction is not None:
             if isinstance(reduction.done, _WaiterProbe):
-                reduction.done.join()
+                reduction.done.join()  # never wait on one Work from two threads at once
             collectives.wait(reduction.work)
         self._packed = None
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
@@ -768,11 +765,9 @@ class Unit:
         if self._packed is not None:
             packed += self._packed
         self._packed, self._grad = packed, GradState.PACKED
-        if grad is None:
-            pass
-        elif self.stage.keep_unsharded_grad:
+        if grad is not None and self.stage.keep_unsharded_grad:
             grad.zero_()  # stage 1 keeps one unsharded gradient buffer for the whole run
-        else:
+        elif grad is not None:
             leaf.grad = None
 
     def reduce_scatter_grad(self) -> None:

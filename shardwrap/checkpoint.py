@@ -253,25 +253,51 @@ def save_checkpoint(
     process group of their own, with the same atomicity; the call returns a ``Future`` at once and
     training may go on. A later save (or load) waits for it first; ``result()`` raises its error.
     """
-    global _pending
     wait_for_saves()  # a second save waits for the first
     body = _encode_extra_state(extra_state, model)
+    return save_checkpoint_with(path, model, optimizer, extra_files={} if body is None else {files.EXTRA_STATE: body}, blocking=blocking)
+
+
+def save_checkpoint_with(
+    path: str,
+    model: "ShardedModule",
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra_files: Mapping[str, bytes],
+    blocking: bool = True,
+) -> "Future[None] | None":
+    """``save_checkpoint``, with more files in the same commit: the mesh's first rank writes
+    ``extra_files`` (name -> bytes; the other ranks' values are ignored) into the checkpoint
+    directory, and the manifest covers them. ``load_checkpoint_with`` reads them back."""
+    global _pending
+    wait_for_saves()
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
+    extras = dict(extra_files)
     if blocking:
-        _save(path, state, body, model, model.mesh.get_group())
+        _save(path, state, extras, model, model.mesh.get_group())
         return None
     group = collectives.checkpoint_group_for(model.mesh.get_group())
     staged = _staged(state)
-    _pending = _SAVER.submit(_save, path, staged, body, model, group)
+    _pending = _SAVER.submit(_save, path, staged, extras, model, group)
     return _pending
 
 
-def _save(path: str, state: dict[str, Any], body: bytes | None, model: "ShardedModule", group: collectives.Group) -> None:
-    """Write ``state`` (and the extra state's JSON ``body``) into a temporary directory beside
-    ``path``, record checksums, and have the first rank publish it (``_commit``); every collective
-    runs over ``group``."""
+def _write_file(directory: str, name: str, body: bytes) -> files.FileRecord:
+    """Write ``body`` to ``directory/name``, flushed to disk; its manifest record."""
+    target = os.path.join(directory, name)
+    with open(target, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    return files.checksum(target)
+
+
+def _save(path: str, state: dict[str, Any], extras: dict[str, bytes], model: "ShardedModule", group: collectives.Group) -> None:
+    """Write ``state`` (and the first rank's ``extras``: file name -> bytes) into a temporary
+    directory beside ``path``, record checksums, and have the first rank publish it
+    (``_commit``); every collective runs over ``group``."""
     _reached("started")
     tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model, group)
     try:
@@ -284,8 +310,8 @@ def _save(path: str, state: dict[str, Any], body: bytes | None, model: "ShardedM
     failure = None
     if collectives.group_rank(group) == 0:
         try:
-            if body is not None:
-                records[files.EXTRA_STATE] = files.write_extra_state(tmp, body)
+            for name, body in extras.items():
+                records[name] = _write_file(tmp, name, body)
             files.write_manifest(tmp, records)
             _reached("agreed")
             _commit(tmp, path)
@@ -438,6 +464,45 @@ def load_checkpoint(
     plain values (``UnsafeCheckpointError``), or does not fit the model or optimizer (``ValueError``
     naming the first offending keys with both shapes). A checkpoint without a manifest (saved
     before checksums existed) loads with an ``UnverifiedCheckpointWarning``."""
+    return _load(path, model, optimizer, _read_extra_state)
+
+
+def load_checkpoint_with(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, *, extra_files: list[str]
+) -> dict[str, Any]:
+    """``load_checkpoint`` of a ``save_checkpoint_with`` directory. Returns each of
+    ``extra_files`` read with ``torch.load(weights_only=True)`` (tensors and plain values only),
+    checked against the manifest before anything is written; a file that is not there is an error."""
+    return _load(path, model, optimizer, lambda where, records: {n: _read_torch_file(where, n, records) for n in extra_files})
+
+
+def _read_torch_file(path: str, name: str, records: dict[str, files.FileRecord] | None) -> Any:
+    target = os.path.join(path, name)
+    try:
+        if records is not None:
+            if name not in records:
+                why = "it was added after the save" if os.path.exists(target) else "the checkpoint was saved without it"
+                raise DamagedCheckpointError(f"file '{target}' is not in the manifest ({why})")
+            problems = files.verify(path, records, [name])
+            if problems:
+                raise DamagedCheckpointError("; ".join(problems))
+        elif not os.path.exists(target):
+            raise DamagedCheckpointError(f"file '{target}' is missing")
+        try:
+            return torch.load(target, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            if files.refused_object(exc):
+                raise UnsafeCheckpointError(f"file '{target}' holds an object that is not a tensor or plain value ({files.gist(exc)}) and was not unpickled") from None
+            raise DamagedCheckpointError(f"file '{target}' could not be read ({type(exc).__name__}: {files.gist(exc)})") from None
+    except CheckpointError as exc:
+        raise _refusal(path, exc) from None
+
+
+def _load(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, read_extras: Callable[[str, Any], T]
+) -> T:
+    """The load: ``read_extras(path, records)`` reads what the caller keeps beside the state,
+    checked like the rest before anything is written."""
     wait_for_saves()
     rank, world = model.mesh.get_local_rank(), model.mesh.size()
     found = _agreed(model, lambda: _published(path) if rank == 0 else None)  # an error on rank 0 reaches every rank
@@ -446,7 +511,7 @@ def load_checkpoint(
     if records is None and rank == 0:
         _warn_unverified(path)
     metadata = _agreed(model, lambda: _read_metadata(path, records))
-    extra_state = _agreed(model, lambda: _read_extra_state(path, records))
+    extra_state = _agreed(model, lambda: read_extras(path, records))
     scratch = _agreed(model, lambda: _scratch(path, metadata, model, optimizer))
     # Each rank verifies its share of the data files, while DCP reads them where it can.
     mine = files.share(files.data_files(metadata), rank, world)
@@ -505,10 +570,13 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     collectives.barrier(model.mesh.get_group())
 
 
-def _read_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The file's contents (tensors and plain values only), checked against model and optimizer."""
+def _read_full(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, layout: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """The file's contents (tensors and plain values only) as ``layout`` finds ``{"model": ...,
+    "optim": ...}`` in them, checked against model and optimizer."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = layout(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as exc:
         if files.refused_object(exc):
             unsafe = UnsafeCheckpointError(f"it holds an object that is not a tensor or plain value ({files.gist(exc)}) and was not unpickled")
@@ -527,10 +595,21 @@ def load_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     """Load a ``save_full`` file (or any ``{"model": state_dict}`` file) at any world size. The first
     rank reads it with ``torch.load(weights_only=True)`` and checks everything before any rank
     writes anything."""
+    load_full_with(path, model, optimizer, lambda content: content)
+
+
+def load_full_with(
+    path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, layout: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """``load_full`` of a file laid out otherwise: ``layout(content)`` gives ``{"model": state
+    dict, "optim": optimizer state dict, ...}`` (raising ``KeyError``/``TypeError`` when the file is
+    not so laid out). Returns the other keys of that dict, on every rank."""
     is_src = model.mesh.get_local_rank() == 0
-    state = _agreed(model, lambda: _read_full(path, model, optimizer) if is_src else {})
+    state = _agreed(model, lambda: _read_full(path, model, optimizer, layout) if is_src else {})
     # Checked in full above: the optimizer goes first, since torch's load_state_dict is the one
     # step with checks of its own; the model's scatter cannot fail after check_full.
     if optimizer is not None:
         model.load_full_optim_state_dict(optimizer, state.get("optim", {}))
     model.load_full_state_dict(state.get("model", {}))
+    rest = {k: v for k, v in state.items() if k not in ("model", "optim")} if is_src else None
+    return _agree(rest, model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -292,6 +294,21 @@ def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
         )
 
 
+_DDP_CONSTRUCTOR = DistributedDataParallel.__init__.__code__
+
+
+def _inside_ddp_constructor(depth: int = 12) -> bool:
+    """Whether DistributedDataParallel's constructor is among the nearest callers."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is _DDP_CONSTRUCTOR:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step pre-hook: refuse to step parameters that wrapping replaced."""
     for group in optimizer.param_groups:
@@ -419,6 +436,7 @@ class ShardedModule(nn.Module):
         self.expect_backward = False  # a unit's outputs require grad: a backward will follow
         self.steps_done = 0  # backward passes finished (error messages name the step)
         self.sync = True  # False inside no_sync()
+        self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
 
@@ -510,7 +528,8 @@ class ShardedModule(nn.Module):
         raise TypeError(
             "DistributedDataParallel(ShardedModule): the model is already data parallel, and DDP would "
             "overwrite every rank's shards with rank 0's. Train the ShardedModule as it is; for DDP's "
-            "memory behaviour with sharded optimizer state use stage=1 (or stage=2 to shard gradients too)"
+            "memory behaviour with sharded optimizer state use stage=1 (or stage=2 to shard gradients too); "
+            "with Lightning use strategy='shardwrap_stage_1' / '_2' / '_3' (import shardwrap.lightning)"
         )
 
     # ---- the original names -------------------------------------------------------------------
@@ -528,6 +547,15 @@ class ShardedModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        if prefix and _inside_ddp_constructor():
+            # DDP around a module that holds this one: the property below is only read on DDP's
+            # own root. DDP lists its parameters first thing, before any collective.
+            raise TypeError(
+                f"DistributedDataParallel around a module that holds a ShardedModule (at '{prefix}'): DDP "
+                f"would broadcast rank 0's shards over every rank's. Drop DDP and train the ShardedModule as it "
+                f"is; with Lightning use strategy='shardwrap_stage_1' / '_2' / '_3' (import shardwrap.lightning) "
+                f"and let the strategy wrap the model, instead of strategy='ddp'"
+            )
         return self.module.named_modules(memo, prefix, remove_duplicate)
 
     def _fqn_modifiers(self) -> dict[str, str]:
@@ -539,6 +567,11 @@ class ShardedModule(nn.Module):
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:  # compute runs in param_dtype from the first layer on
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        if not self.in_call and self._state is not TrainingState.BACKWARD and any(
+            u.training_state is TrainingState.FORWARD for u in self._units
+        ):
+            self._recover()  # a forward raised: clean up here, so that FORWARD below means re-entry
+        self.in_call = True
         try:
             return self.module(*args, **kwargs)
         except RuntimeError as exc:
@@ -551,6 +584,8 @@ class ShardedModule(nn.Module):
                 f"full tensors only inside that unit's forward: read them there, or let auto_wrap_policy put "
                 f"the code that reads them in the same unit ({exc})"
             ) from exc
+        finally:
+            self.in_call = False
 
     @property
     def units(self) -> list[Unit]:

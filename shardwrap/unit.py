@@ -223,6 +223,7 @@ class Unit:
         self.param_dtype = param_dtype or self.dtype  # all-gather and compute
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
         self.training_state = TrainingState.IDLE
+        self._reentered = 0  # calls of this unit's module inside its own running forward
         self._data = DataState.SHARDED  # the stored state; ``data_state`` adds staleness
         self._grad = GradState.NONE
         self._gather: _Gather | None = None  # while GATHERING
@@ -455,6 +456,11 @@ class Unit:
             self._gather_for_backward()
             self._install_unsharded_views()
             return
+        if self.training_state is TrainingState.FORWARD and root.in_call:
+            # The module called again inside its own forward (Lightning's training_step runs in
+            # the root's forward and calls self(x)): the parameters are in place already.
+            self._reentered += 1
+            return
         if self.index == 0:
             root.root_pre_forward()
         schedule = root.schedule
@@ -472,6 +478,9 @@ class Unit:
         pre_backward hook; stage 3 reshards."""
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
+            return output
+        if self._reentered:  # an inner call ended; the outer one still runs
+            self._reentered -= 1
             return output
         self._install_sharded_params()
         self.training_state = TrainingState.IDLE
@@ -627,6 +636,7 @@ class Unit:
                 reduction.done.join()  # never wait on one Work from two threads at once
             collectives.wait(reduction.work)
         self._packed = None
+        self._reentered = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):

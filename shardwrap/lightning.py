@@ -12,8 +12,9 @@ What the strategy does, in Lightning's order:
   ``configure_optimizers`` are built on the sharded parameters. Steps run through the wrapper's
   forward (Lightning's forward redirection), so every unit's hooks run.
 - precision: ``bf16-mixed``/``16-mixed`` gather and compute in the low dtype
-  (``MixedPrecision(param_dtype=..., reduce_dtype=float32)``) under Lightning's autocast; fp16
-  loss scaling uses ``ShardedGradScaler``, whose inf check is agreed by every rank.
+  (``MixedPrecision(param_dtype=..., reduce_dtype=float32)``) under Lightning's autocast. fp16
+  loss scaling is Lightning's own ``GradScaler``: on DTensor gradients its inf check is
+  all-reduced over the mesh (DTensor's handler), so every rank skips the same steps.
 - clipping: Lightning's ``clip_grad_norm_`` on the DTensor parameters is the global norm.
 - accumulation: ``no_sync`` between micro-batches at stage 1 (no memory cost there); at stages 2
   and 3 only with ``accumulate_unsharded=True``, since it holds full gradients.
@@ -49,7 +50,6 @@ try:
     )
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.core.optimizer import LightningOptimizer
-    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
     from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.trainer.states import TrainerFn
@@ -173,7 +173,6 @@ class ShardwrapStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()  # optimizers on the sharded parameters
             self.setup_optimizers(trainer)
-        self._shard_the_scaler()
         self.setup_precision_plugin()
 
     def _wrap(self, module: nn.Module) -> ShardedModule:
@@ -188,18 +187,6 @@ class ShardwrapStrategy(ParallelStrategy):
             if "meta device" not in str(exc):
                 raise
             raise ValueError(f"{exc} (pass it as ShardwrapStrategy(param_init_fn=...)); configure_model() left the model on the meta device") from None
-
-    def _shard_the_scaler(self) -> None:
-        """fp16 loss scaling: skip the step on every rank when any rank's shard has an inf."""
-        plugin = self.precision_plugin
-        if isinstance(plugin, LightningMixedPrecision) and plugin.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            if not isinstance(plugin.scaler, ShardedGradScaler):
-                plugin.scaler = ShardedGradScaler(
-                    device=self.root_device.type, init_scale=plugin.scaler.get_scale(),
-                    process_group=self.sharded_module.mesh.get_group(),
-                )
 
     def model_to_device(self) -> None:
         pass  # the shards live where ShardedModule put them

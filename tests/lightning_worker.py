@@ -52,6 +52,17 @@ class Net(nn.Module):
         return self.head(self.blocks(self.embed(x)))
 
 
+class Unresettable(nn.Module):
+    """A module that cannot initialize itself (no reset_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLES, DIM, generator=g)
@@ -65,7 +76,7 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd", inf_at: int = -1) -> None:
+    def __init__(self, optimizer: str = "sgd", inf_at: int = -1, build: str = "plain") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net: nn.Module | None = None
@@ -73,8 +84,17 @@ class Classifier(pl.LightningModule):
         self.skipped: list[bool] = []
 
     def configure_model(self) -> None:
-        if self.net is None:
-            torch.manual_seed(1)
+        if self.net is not None:
+            return
+        torch.manual_seed(1)
+        if self.hparams.build == "meta":  # left on the meta device, one module unable to initialize
+            with torch.device("meta"):
+                self.net = nn.Sequential(Net(), Unresettable())
+        elif self.hparams.build == "prewrapped":  # the user wraps it, then runs Lightning's DDP
+            from shardwrap import ShardedModule
+
+            self.net = ShardedModule(Net(), auto_wrap_policy={Block})
+        else:
             self.net = Net()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +169,16 @@ def run(out: str, devices: int, spec: str) -> None:
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing="save" in options, num_sanity_val_steps=0, use_distributed_sampler=True,
     )
-    module = Classifier(optimizer, inf_at=int(options.get("inf_at", -1)))
+    build = "meta" if "meta" in options else "prewrapped" if "prewrapped" in options else "plain"
+    module = Classifier(optimizer, inf_at=int(options.get("inf_at", -1)), build=build)
     batch = BATCH * (2 // devices)  # one device sees the global batch of two
     train = DataLoader(data(), batch_size=batch, shuffle=False)
-    trainer.fit(module, train, ckpt_path=options.get("resume"))
+    try:
+        trainer.fit(module, train, ckpt_path=options.get("resume"))
+    except Exception as exc:  # the error scenarios: every rank raises it
+        if trainer.global_rank == 0:
+            torch.save({"error": f"{type(exc).__name__}: {exc}"}, os.path.join(out, f"{name}.pt"))
+        return
     result = {
         "params": full_params(trainer, module), "logged": module.logged, "skipped": module.skipped,
         "lr": trainer.optimizers[0].param_groups[0]["lr"], "world": trainer.world_size,

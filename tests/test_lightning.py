@@ -1,0 +1,202 @@
+"""``Trainer(strategy="shardwrap_stage_N")`` on 2 CPU devices, launched by Lightning's own launcher
+(tests/lightning_worker.py), against ``strategy="ddp"`` in the same launch and against the unwrapped
+model trained in this process on the whole global batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DistributedSampler
+
+pytest.importorskip("lightning")  # the [lightning] extra; the test extra installs it
+
+import lightning_worker as worker  # noqa: E402  (tests/ is on sys.path)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["shardwrap_stage_1", "shardwrap_stage_2", "shardwrap_stage_3"]
+CLIP_ACC = "clip=0.05:accumulate=2"
+
+
+def launch(out: str, devices: int, *scenarios: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "lightning_worker.py"), out, str(devices), *scenarios]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Every scenario, in two launches (2 devices, then 1 device resuming the 2-device checkpoints)."""
+    out = str(tmp_path_factory.mktemp("lightning"))
+    ck, full = os.path.join(out, "ck"), os.path.join(out, "full")
+    two = [
+        "ddp_sgd:ddp:sgd", "ddp_adam:ddp:adamw", f"ddp_ca:ddp:sgd:{CLIP_ACC}",
+        f"ddp_bf:ddp:adamw:precision=bf16-mixed:{CLIP_ACC}", f"ddp_bfs:ddp:sgd:precision=bf16-mixed:{CLIP_ACC}",
+        *(f"s{s[-1]}_sgd:{s}:sgd" for s in STAGES), *(f"s{s[-1]}_ca:{s}:sgd:{CLIP_ACC}" for s in STAGES),
+        "s3_adam:shardwrap_stage_3:adamw", f"s3_bf:shardwrap_stage_3:adamw:precision=bf16-mixed:{CLIP_ACC}",
+        f"s3_bfs:shardwrap_stage_3:sgd:precision=bf16-mixed:{CLIP_ACC}",
+        f"s3_save:shardwrap_stage_3:adamw:save={ck}", "s3_two:shardwrap_stage_3:adamw:epochs=2",
+        f"s2_save:shardwrap_stage_2:sgd:save={ck}2:{CLIP_ACC}", f"s2_two:shardwrap_stage_2:sgd:epochs=2:{CLIP_ACC}",
+        f"s3_full:shardwrap_stage_3:adamw:full=1:save={full}", "s2_fp16:shardwrap_stage_2:sgd:precision=16-mixed:inf_at=2",
+        "s3_eval:shardwrap_stage_3:sgd:evaluate=1", "ddp_holding:ddp:sgd:prewrapped=1", "s3_meta:shardwrap_stage_3:sgd:meta=1",
+    ]
+    launch(out, 2, *two)
+    launch(
+        out, 1, f"s3_resume:shardwrap_stage_3:adamw:epochs=2:resume={ck}/epoch=0.ckpt",
+        f"s2_resume:shardwrap_stage_2:sgd:epochs=2:resume={ck}2/epoch=0.ckpt:{CLIP_ACC}",
+    )
+    results = {name.split(":")[0]: torch.load(os.path.join(out, f"{name.split(':')[0]}.pt")) for name in two + ["s3_resume:", "s2_resume:"]}
+    results["_paths"] = {"ck": ck, "full": full}
+    return results
+
+
+def reference(optimizer: str, *, steps: int, clip: float | None = None, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    """The unwrapped model, one process, the global batch of both devices per micro-batch, the
+    worker's optimizer and per-step StepLR; the loss of a micro-batch divided by ``accumulate``."""
+    torch.manual_seed(1)
+    net = worker.Net()
+    opt = worker.make_optimizer(optimizer, net.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    dataset = worker.data()
+    x, y = dataset.tensors
+    batch = 2 * worker.BATCH
+    per_epoch = len(x) // batch
+    for step in range(steps):
+        for micro in range(accumulate):
+            epoch, k = divmod(step * accumulate + micro, per_epoch)
+            # Lightning's training sampler: DistributedSampler(shuffle=True, seed=0), set_epoch(epoch);
+            # the ranks' k-th batches together are this slice of its permutation.
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            rows = list(sampler)[k * batch : (k + 1) * batch]
+            (nn.functional.cross_entropy(net(x[rows]), y[rows]) / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {f"net.{k}": v for k, v in net.state_dict().items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["ddp_sgd", "s1_sgd", "s2_sgd", "s3_sgd"])
+def test_training_equals_single_process_and_ddp(runs, name):
+    ref = reference("sgd", steps=4)
+    assert max_diff(runs[name]["params"], ref) < 1e-5
+    assert max_diff(runs[name]["params"], runs["ddp_sgd"]["params"]) < 1e-6
+    assert runs[name]["lr"] == runs["ddp_sgd"]["lr"] == 0.05  # the scheduler stepped 4 times
+    # The oracle can fail: one step less, or the loss of one rank's half only, is far away.
+    assert max_diff(runs[name]["params"], reference("sgd", steps=3)) > 1e-3
+
+
+def test_adamw_equals_single_process_and_ddp(runs):
+    assert max_diff(runs["s3_adam"]["params"], reference("adamw", steps=4)) < 1e-5
+    assert max_diff(runs["s3_adam"]["params"], runs["ddp_adam"]["params"]) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["s1_ca", "s2_ca", "s3_ca"])
+def test_clip_and_accumulate_equal_single_process(runs, name):
+    """gradient_clip_val clips by the global norm; accumulate_grad_batches=2 (no_sync at stage 1)."""
+    ref = reference("sgd", steps=2, clip=0.05, accumulate=2)
+    assert max_diff(runs[name]["params"], ref) < 1e-5
+    assert max_diff(runs[name]["params"], runs["ddp_ca"]["params"]) < 1e-6
+    assert max_diff(runs[name]["params"], reference("sgd", steps=2, accumulate=2)) > 1e-3  # clipping mattered
+    assert max_diff(runs[name]["params"], reference("sgd", steps=4, clip=0.05)) > 1e-3  # accumulation mattered
+
+
+@pytest.mark.parametrize("optimizer, ddp, shard", [("sgd", "ddp_bfs", "s3_bfs"), ("adamw", "ddp_bf", "s3_bf")])
+def test_bf16_mixed_matches_ddp_within_bf16(runs, optimizer, ddp, shard):
+    """bf16-mixed against DDP's bf16-mixed (autocast) and the fp32 single-process run, as distances
+    relative to the size of the fp32 run's update: shardwrap is as close to DDP as DDP's own bf16
+    noise takes DDP from fp32."""
+    fp32 = reference(optimizer, steps=2, clip=0.05, accumulate=2)
+    torch.manual_seed(1)
+    start = {f"net.{k}": v for k, v in worker.Net().state_dict().items()}
+    update = sum(((fp32[k] - start[k]) ** 2).sum() for k in fp32) ** 0.5
+
+    def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return float(sum(((a[k].float() - b[k].float()) ** 2).sum() for k in a) ** 0.5 / update)
+
+    noise = distance(runs[ddp]["params"], fp32)  # bf16's own error, under DDP
+    assert 0 < noise < 0.2
+    assert distance(runs[shard]["params"], runs[ddp]["params"]) <= noise
+    assert distance(runs[shard]["params"], fp32) <= 2 * noise
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
+    """The last rank's gradient gets an inf at step 2; rank 0 (whose shard was finite) skips too."""
+    assert runs["s2_fp16"]["skipped"] == [False, False, True, False]
+
+
+def test_sync_dist_reduce_broadcast_barrier(runs):
+    for name in ("s1_sgd", "s3_eval"):
+        assert runs[name]["logged"] == [0.5] * 4  # mean of the ranks' 0 and 1, every step
+    assert runs["s3_eval"]["reduced"] == 1.0 and runs["s3_eval"]["broadcast"] == "from rank 0"
+
+
+def test_validate_and_predict_leave_nothing_behind(runs):
+    run = runs["s3_eval"]
+    assert run["idle"] and run["grads"] == 0
+    net = worker.Net()
+    net.load_state_dict({k[len("net."):]: v for k, v in run["params"].items()})
+    x, y = worker.data().tensors
+    with torch.no_grad():
+        logits = net(x)
+    assert run["val_loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), abs=1e-5)
+    assert torch.equal(run["predictions"], logits.argmax(-1)[0::2])  # rank 0's DistributedSampler share
+
+
+@pytest.mark.parametrize("saved, resumed", [("s3_two", "s3_resume"), ("s2_two", "s2_resume")])
+def test_resume_from_two_devices_onto_one(runs, saved, resumed):
+    """A checkpoint taken after epoch 0 on 2 devices, resumed on 1 device for epoch 1, ends where
+    2 devices running both epochs end: model, optimizer state (momentum, Adam moments, step) and
+    LR scheduler."""
+    assert runs[resumed]["world"] == 1
+    assert runs[resumed]["lr"] == runs[saved]["lr"]
+    assert max_diff(runs[resumed]["params"], runs[saved]["params"]) < 1e-5
+    assert len(runs[resumed]["logged"]) == len(runs[saved]["logged"]) // 2  # only epoch 1 ran
+
+
+def test_sharded_checkpoint_is_an_atomic_checksummed_directory(runs):
+    path = os.path.join(runs["_paths"]["ck"], "epoch=0.ckpt")
+    names = sorted(os.listdir(path))
+    assert "shardwrap-manifest.json" in names and "lightning-state.pt" in names and ".metadata" in names
+    assert not [n for n in os.listdir(runs["_paths"]["ck"]) if ".tmp-" in n or ".old-" in n]
+
+
+def test_full_checkpoint_loads_into_a_plain_lightning_module(runs):
+    path = os.path.join(runs["_paths"]["full"], "epoch=0.ckpt")
+    assert os.path.isfile(path)
+    plain = worker.Classifier.load_from_checkpoint(path, map_location="cpu")  # calls configure_model
+    got = {k: v for k, v in plain.state_dict().items()}
+    assert max_diff(got, runs["s3_full"]["params"]) == 0.0
+    content = torch.load(path, weights_only=True)
+    assert set(content["optimizer_states"][0]["state"]) == set(range(len(got)))  # a plain optimizer's keys
+
+
+def test_ddp_around_a_sharded_module_is_refused(runs):
+    error = runs["ddp_holding"]["error"]
+    assert error.startswith("TypeError") and "shardwrap_stage_" in error and "net" in error
+
+
+def test_meta_model_without_init_is_refused(runs):
+    error = runs["s3_meta"]["error"]
+    assert "meta device" in error and "param_init_fn" in error and "Unresettable" in error
+
+
+def test_unknown_stage_is_refused_before_launch():
+    import lightning.pytorch as pl
+
+    with pytest.raises(ValueError, match="shardwrap_stage_4"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="shardwrap_stage_4")
+    with pytest.raises(ValueError, match="stage"):
+        worker.ShardwrapStrategy(stage=4)

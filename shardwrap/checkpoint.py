@@ -89,7 +89,7 @@ def _write(state: dict[str, Any], tmp: str, group: collectives.Group) -> Metadat
 
 
 def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:
-    """Every file of the checkpoint in ``tmp`` with its size and CRC-32, on every rank; each rank
+    """Every file of the checkpoint in ``tmp`` with its size and xxh3-64 hash, on every rank; each rank
     reads its share (``checkpoint_files.share``). Every rank has finished writing when it returns."""
     names = sorted({files.METADATA} | {info.relative_path for info in metadata.storage_data.values()})
     rank, world = model.mesh.get_local_rank(), model.mesh.size()
@@ -241,7 +241,7 @@ def save_checkpoint(
     blocking: bool = True,
 ) -> "Future[None] | None":
     """Save the sharded model (and optimizer) state to the directory ``path`` with DCP; every rank
-    writes its own shards, and a manifest records every file's size and CRC-32. Load it at any
+    writes its own shards, and a manifest records every file's size and xxh3-64 hash. Load it at any
     world size with ``load_checkpoint``.
 
     ``extra_state``, a dict of plain JSON values that is the same on every rank (the training

@@ -2,11 +2,11 @@
 
 ``checkpoint.py`` decides what to save and load; this module is what touches the bytes:
 
-- The manifest (``shardwrap-manifest.json``): the size and CRC-32 of every file of a DCP
-  checkpoint. ``save_checkpoint`` writes it inside the temporary directory, so the rename that
-  commits the checkpoint commits the manifest with it; loads check every file against it before
-  reading anything into a model. It is JSON followed by the CRC-32 of that JSON: damage to the
-  manifest itself is caught too.
+- The manifest (``shardwrap-manifest.json``): the size and xxh3-64 hash of every file of a DCP
+  checkpoint (manifests saved with CRC-32s before are still read and verified). ``save_checkpoint``
+  writes it inside the temporary directory, so the rename that commits the checkpoint commits the
+  manifest with it; loads check every file against it before reading anything into a model. It is
+  JSON followed by the CRC-32 of that JSON: damage to the manifest itself is caught too.
 - DCP's ``.metadata`` is a pickle. It is read here by an unpickler that builds nothing but DCP's
   metadata classes and the torch values inside them (``torch.Size``, dtypes, layouts), then checked
   field by field. DCP's own ``FileSystemReader.read_metadata`` (a plain ``pickle.load``) is never
@@ -28,10 +28,10 @@ import pathlib
 import pickle
 import re
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Mapping, Sequence, cast
+from typing import IO, Any, Callable, Mapping, Protocol, Sequence, cast
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -49,7 +49,7 @@ MANIFEST = "shardwrap-manifest.json"
 EXTRA_STATE = "shardwrap-extra-state.json"  # the caller's JSON (``save_checkpoint(extra_state=...)``)
 METADATA = ".metadata"
 _FORMAT = "shardwrap-manifest/1"
-_CHUNK = 8 << 20  # bytes read at a time when checksumming
+_CHUNK = 8 << 20  # bytes read at a time when hashing
 
 
 class CheckpointError(RuntimeError):
@@ -71,31 +71,78 @@ class UnverifiedCheckpointWarning(UserWarning):
 # ---- the manifest -----------------------------------------------------------------------------
 
 
+class Hasher(Protocol):
+    """An incremental hash, fed a file's bytes in order (xxhash's hashers have this shape)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class _Crc32:
+    """``zlib.crc32`` as a ``Hasher``: how the manifests of the previous release are verified."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: memoryview, /) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def intdigest(self) -> int:
+        return self._crc
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A checksum that a manifest may name."""
+
+    label: str  # its name in messages
+    digits: int  # hex digits of a digest in the manifest
+    new: Callable[[], Hasher]
+
+
+# By the name the manifest's "algorithm" field (and each file's digest key) gives them.
+ALGORITHMS: dict[str, Algorithm] = {
+    "xxh3_64": Algorithm("xxh3-64", 16, xxhash.xxh3_64),
+    "crc32": Algorithm("CRC-32", 8, _Crc32),
+}
+ALGORITHM = "xxh3_64"  # what new checkpoints are saved with: about 4x the speed of zlib.crc32 here
+
+
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
+    """A file as the manifest records it: its size and its digest under ``algorithm``."""
+
     size: int
-    crc32: int
+    algorithm: str  # a key of ALGORITHMS
+    digest: int
+
+    def hex(self) -> str:
+        return f"{self.digest:0{ALGORITHMS[self.algorithm].digits}x}"
 
 
-def checksum(path: str) -> FileRecord:
-    """The size and CRC-32 of the file at ``path``, read in chunks."""
-    crc, size = 0, 0
+def checksum(path: str, algorithm: str = ALGORITHM) -> FileRecord:
+    """The size and digest of the file at ``path``, read in chunks."""
+    hasher, size = ALGORITHMS[algorithm].new(), 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            hasher.update(view[:n])
             size += n
-    return FileRecord(size, crc)
+    return FileRecord(size, algorithm, hasher.intdigest())
 
 
 def write_manifest(directory: str, records: Mapping[str, FileRecord]) -> None:
-    """Write the manifest of ``records`` into ``directory`` (and flush it to disk)."""
+    """Write the manifest of ``records`` (all hashed with one algorithm) into ``directory`` and
+    flush it to disk. Its trailer stays the CRC-32 of the JSON, whatever the files' algorithm: the
+    JSON is small, and the algorithm it names can only be trusted once the trailer matched."""
+    (algorithm,) = {r.algorithm for r in records.values()}
     body = json.dumps(
         {
             "format": _FORMAT,
-            "algorithm": "crc32",
-            "files": {name: {"size": r.size, "crc32": f"{r.crc32:08x}"} for name, r in sorted(records.items())},
+            "algorithm": algorithm,
+            "files": {name: {"size": r.size, algorithm: r.hex()} for name, r in sorted(records.items())},
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -121,8 +168,14 @@ def read_manifest(directory: str) -> dict[str, FileRecord] | None:
         content = json.loads(parts[0])
         if content["format"] != _FORMAT:
             raise ValueError(f"format {content['format']!r}")
+        algorithm = content["algorithm"]
+        if algorithm not in ALGORITHMS:
+            raise DamagedCheckpointError(
+                f"the manifest '{path}' uses the checksum algorithm {algorithm!r}, which this version of "
+                f"shardwrap does not know (it knows {', '.join(sorted(ALGORITHMS))})"
+            )
         files = content["files"]
-        records = {name: FileRecord(int(e["size"]), int(e["crc32"], 16)) for name, e in files.items()}
+        records = {name: FileRecord(int(e["size"]), algorithm, int(e[algorithm], 16)) for name, e in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DamagedCheckpointError(f"the manifest '{path}' is not a shardwrap manifest ({exc})") from None
     if any(not _is_plain_name(name) for name in records) or METADATA not in records:
@@ -146,7 +199,7 @@ def share(names: Sequence[str], rank: int, world: int) -> list[str]:
 
 
 def verify(directory: str, records: Mapping[str, FileRecord], names: Sequence[str]) -> list[str]:
-    """A problem for each file of ``names`` whose size or CRC-32 differs from ``records``."""
+    """A problem for each file of ``names`` whose size or digest differs from ``records``."""
     problems = []
     for name in names:
         path, want = os.path.join(directory, name), records[name]
@@ -154,15 +207,23 @@ def verify(directory: str, records: Mapping[str, FileRecord], names: Sequence[st
             problems.append(f"file '{path}' is missing")
             continue
         size = os.path.getsize(path)
-        if size != want.size:
-            problems.append(f"file '{path}' has {size} bytes, the manifest says {want.size} (truncated or overwritten)")
-            continue
-        got = checksum(path)
-        if got.crc32 != want.crc32:
-            problems.append(
-                f"file '{path}' fails its CRC-32 check (saved {want.crc32:08x}, now {got.crc32:08x}): its bytes changed since it was saved"
-            )
+        got = checksum(path, want.algorithm) if size == want.size else dataclasses.replace(want, size=size)  # not read
+        problem = _mismatch(path, want, got)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def _mismatch(path: str, want: FileRecord, got: FileRecord) -> str | None:
+    """How the file at ``path`` as read (``got``) differs from its record (``want``), or None."""
+    if got.size != want.size:
+        return f"file '{path}' has {got.size} bytes, the manifest says {want.size} (truncated or overwritten)"
+    if got.digest != want.digest:
+        return (
+            f"file '{path}' fails its {ALGORITHMS[want.algorithm].label} check (saved {want.hex()}, now {got.hex()}): "
+            "its bytes changed since it was saved"
+        )
+    return None
 
 
 def check_files(directory: str) -> dict[str, FileRecord] | None:
@@ -410,9 +471,9 @@ class SafeReader(FileSystemReader):
 
     DCP never opens ``.metadata`` through it. Each data file's entries are read in order of offset
     and parsed with ``torch.load(weights_only=True)``; a failure names the file. The files named
-    in ``verify`` are read from start to end, gaps included, through a CRC-32 that is compared with
-    the manifest when the file ends: every byte is read once, and a file that fails raises
-    ``DamagedCheckpointError``. DCP only fills scratch copies, so nothing reaches the model before
+    in ``verify`` are read from start to end, gaps included, through the hash their manifest names,
+    compared with the manifest when the file ends: every byte is read once, and a file that fails
+    raises ``DamagedCheckpointError``. DCP only fills scratch copies, so nothing reaches the model before
     every verdict is in (the bytes of a damaged file reach only torch's weights-only unpickler)."""
 
     def __init__(
@@ -423,7 +484,7 @@ class SafeReader(FileSystemReader):
         self._checked = metadata
         self._records = records or {}
         self._verify = set(verify) & set(self._records)
-        self.verified: set[str] = set()  # the files read through the CRC and found intact
+        self.verified: set[str] = set()  # the files read through the hash and found intact
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._checked.storage_meta is None:
@@ -469,31 +530,23 @@ class SafeReader(FileSystemReader):
                     _load_item(item, data, planner)
 
     def _read_verified(self, path: str, want: FileRecord, items: list[ReadItem], planner: LoadPlanner) -> None:
-        # The CRC is folded on a helper thread (zlib.crc32 releases the GIL) while this thread parses
-        # the same bytes; two buffers alternate, so a buffer is refilled only once its CRC is done.
-        buffers, pending = [_EntryBuffer(), _EntryBuffer()], [None, None]
-        turn, pos, failure = 0, 0, None
-        crc = [0]
-
-        def fold(view: memoryview) -> None:  # runs on the helper, in submission order
-            crc[0] = zlib.crc32(view, crc[0])
-
-        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as helper:
+        # Hashed on this thread, between reading the bytes and parsing them: with xxh3-64 that costs
+        # less CPU and wall time than folding the hash on a helper thread over alternating buffers.
+        hasher, buffer = ALGORITHMS[want.algorithm].new(), _EntryBuffer()
+        pos, failure = 0, None
+        with open(path, "rb", buffering=0) as f:
 
             def read(n: int) -> memoryview:
-                nonlocal turn, pos
-                turn ^= 1
-                if pending[turn] is not None:
-                    pending[turn].result()  # type: ignore[attr-defined]
-                view = buffers[turn].read(f, n)
-                pending[turn] = helper.submit(fold, view)  # type: ignore[call-overload]
+                nonlocal pos
+                view = buffer.read(f, n)
+                hasher.update(view)
                 pos += len(view)
                 return view
 
             for (offset, length), users in [*self._entries(items), ((-1, -1), [])]:  # then the rest of the file
                 if 0 <= offset < pos:
                     raise DamagedCheckpointError(f"file '{path}' has overlapping entries")
-                while offset < 0 or pos < offset:  # bytes no entry of this rank's needs: into the CRC only
+                while offset < 0 or pos < offset:  # bytes no entry of this rank's needs: into the hash only
                     if not len(read(_CHUNK if offset < 0 else min(_CHUNK, offset - pos))):
                         break
                 if offset < 0:
@@ -505,15 +558,9 @@ class SafeReader(FileSystemReader):
                             _load_item(item, data, planner)
                     except Exception as exc:  # reported only if the file is intact (else: the damage)
                         failure = exc
-            for work in pending:
-                if work is not None:
-                    work.result()  # type: ignore[attr-defined]
-        if pos != want.size:
-            raise DamagedCheckpointError(f"file '{path}' has {pos} bytes, the manifest says {want.size} (truncated or overwritten)")
-        if crc[0] != want.crc32:
-            raise DamagedCheckpointError(
-                f"file '{path}' fails its CRC-32 check (saved {want.crc32:08x}, now {crc[0]:08x}): its bytes changed since it was saved"
-            )
+        problem = _mismatch(path, want, FileRecord(pos, want.algorithm, hasher.intdigest()))
+        if problem:
+            raise DamagedCheckpointError(problem)
         if failure is not None:
             raise failure
 

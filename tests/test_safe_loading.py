@@ -22,6 +22,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -161,16 +162,27 @@ def replace_entry(directory: str, fqn: str, blob: bytes) -> str:
     return info.relative_path
 
 
-def write_manifest(directory: str) -> None:
-    """A manifest with every file's real size and zlib CRC-32, in the documented format (what a
-    forger who rewrote the checkpoint would also write)."""
+DIGESTS = {  # the documented digests of a file: xxh3-64 (new saves), CRC-32 (the previous release's)
+    "xxh3_64": lambda data: f"{xxhash.xxh3_64_intdigest(data):016x}",
+    "crc32": lambda data: f"{zlib.crc32(data):08x}",
+}
+
+
+def write_manifest(directory: str, algorithm: str = "xxh3_64") -> None:
+    """A manifest with every file's real size and digest, in the documented format (what a forger
+    who rewrote the checkpoint would also write; with "crc32", what the previous release wrote)."""
     files = {}
     for name in sorted(os.listdir(directory)):
         if name != MANIFEST:
             with open(os.path.join(directory, name), "rb") as f:
                 data = f.read()
-            files[name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    body = json.dumps({"format": "shardwrap-manifest/1", "algorithm": "crc32", "files": files}, sort_keys=True, separators=(",", ":")).encode()
+            files[name] = {"size": len(data), algorithm: DIGESTS[algorithm](data)}
+    write_manifest_json(directory, {"format": "shardwrap-manifest/1", "algorithm": algorithm, "files": files})
+
+
+def write_manifest_json(directory: str, content: dict) -> None:
+    """The manifest file: one line of JSON, then the line "crc32 <CRC-32 of that JSON>"."""
+    body = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
     with open(os.path.join(directory, MANIFEST), "wb") as f:
         f.write(body + b"\n" + b"crc32 %08x\n" % zlib.crc32(body))
 
@@ -350,10 +362,11 @@ def test_manifest_records_every_file_and_is_committed_with_them(tmp_path):
     manifest = read_manifest(path)
     on_disk = sorted(n for n in os.listdir(path) if n != MANIFEST)
     assert sorted(manifest["files"]) == on_disk and ".metadata" in on_disk and len(on_disk) >= 3
+    assert manifest["algorithm"] == "xxh3_64"
     for name in on_disk:
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
-        assert manifest["files"][name] == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+        assert manifest["files"][name] == {"size": len(data), "xxh3_64": DIGESTS["xxh3_64"](data)}, name
     # A save whose manifest cannot be written fails on every rank and leaves the old checkpoint.
     for r in run_on_ranks(2, on_ranks_manifest_commit_fails, path):
         assert "disk full" in r["message"] and r["leftovers"] == [], r
@@ -374,6 +387,18 @@ def damage(path: str, kind: str, where: float, bit: int) -> str:
     with open(path, "wb") as f:
         f.write(bytes(data))
     return os.path.basename(path)
+
+
+def flipped_copies(source: str, names: list[str], where: float, bit: int) -> list[tuple[str, str]]:
+    """(directory, name) for each of ``names``: a copy of the checkpoint ``source`` beside it with
+    one bit of that file flipped."""
+    cases = []
+    for name in names:
+        directory = f"{source}-{name}"
+        shutil.copytree(source, directory)
+        damage(os.path.join(directory, name), "flip", where, bit)
+        cases.append((directory, name))
+    return cases
 
 
 def test_damaged_files_are_refused_and_change_nothing(tmp_path):
@@ -401,12 +426,7 @@ def test_damage_is_refused_after_resharding(tmp_path, door):
     reads nothing from __2_0.distcp, which is in its share)."""
     pristine = str(tmp_path / "w3")
     run_on_ranks(3, on_ranks_save, LIVE, pristine)
-    cases = []
-    for name in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp"):
-        directory = str(tmp_path / f"w3-{name}")
-        shutil.copytree(pristine, directory)
-        damage(os.path.join(directory, name), "flip", 0.75, 5)
-        cases.append((directory, name))
+    cases = flipped_copies(pristine, ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"], 0.75, 5)
     results = run_on_ranks(2, on_ranks_try_loads, [pristine] + [d for d, _ in cases], door)
     for rank in range(2):
         message, unchanged, _ = results[rank][0]
@@ -414,6 +434,30 @@ def test_damage_is_refused_after_resharding(tmp_path, door):
         for (directory, name), (message, unchanged, _) in zip(cases, results[rank][1:]):
             assert message.startswith("DamagedCheckpointError") and os.path.join(directory, name) in message, message
             assert unchanged, f"{name}: the model or optimizer changed"
+
+
+def test_crc32_manifests_of_the_previous_release_load_and_are_verified(tmp_path):
+    """A checkpoint saved by the previous release (its manifest holds CRC-32s) loads, and a flipped
+    bit in it is still refused, by its CRC-32; a manifest naming an algorithm this shardwrap does
+    not know is refused, naming the manifest and the algorithm."""
+    pristine = str(tmp_path / "pristine")
+    run_on_ranks(2, on_ranks_save, LIVE, pristine)
+    old = str(tmp_path / "old")
+    shutil.copytree(pristine, old)
+    write_manifest(old, "crc32")
+    cases = flipped_copies(old, [".metadata", "__0_0.distcp", "__1_0.distcp"], 0.5, 2)
+    unknown = str(tmp_path / "unknown")
+    shutil.copytree(old, unknown)
+    write_manifest_json(unknown, {**read_manifest(old), "algorithm": "sha256"})
+    results = run_on_ranks(2, on_ranks_try_loads, [old, unknown] + [d for d, _ in cases])
+    for rank in range(2):
+        (message, unchanged, _), (refused, refused_unchanged, _) = results[rank][:2]
+        assert message == "no error" and not unchanged, message
+        assert refused.startswith("DamagedCheckpointError") and os.path.join(unknown, MANIFEST) in refused, refused
+        assert "'sha256'" in refused and refused_unchanged, refused
+        for (directory, name), (message, unchanged, _) in zip(cases, results[rank][2:]):
+            assert message.startswith("DamagedCheckpointError") and os.path.join(directory, name) in message, message
+            assert "CRC-32 check" in message and unchanged, message
 
 
 def test_checkpoint_without_manifest_loads_with_a_warning_and_is_not_verified(tmp_path):
@@ -555,7 +599,7 @@ def test_extra_state_round_trips_inside_the_atomic_checkpoint_and_is_verified(tm
     outcomes = run_on_ranks(2, on_ranks_try_loads, [flipped, gone, added])
     for rank in range(2):
         for (message, unchanged, _), path, why in zip(outcomes[rank], [flipped, gone, added],
-                                                      ["CRC-32", "is missing", "not in the manifest"]):
+                                                      ["xxh3-64 check", "is missing", "not in the manifest"]):
             assert message.startswith("DamagedCheckpointError") and os.path.join(path, EXTRA_STATE) in message, message
             assert why in message and unchanged and message == outcomes[0][[flipped, gone, added].index(path)][0], message
 

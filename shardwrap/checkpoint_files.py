@@ -240,16 +240,6 @@ def check_files(directory: str) -> dict[str, FileRecord] | None:
     return records
 
 
-def write_extra_state(directory: str, body: bytes) -> FileRecord:
-    """Write the caller's extra state (JSON text) into ``directory``, flushed; its manifest record."""
-    path = os.path.join(directory, EXTRA_STATE)
-    with open(path, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    return checksum(path)
-
-
 def read_extra_state(directory: str, records: Mapping[str, FileRecord] | None) -> dict[str, Any] | None:
     """The extra state saved with the checkpoint in ``directory`` (a JSON object), or None when it
     was saved without one. With a manifest, the file must be listed in it and match its record: a

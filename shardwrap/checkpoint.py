@@ -22,7 +22,7 @@ import shutil
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -535,15 +535,28 @@ def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:
     """Convert a DCP checkpoint into one ``torch.save`` file of full tensors, atomically.
     Run it in one process; ``torch.load(out_file, weights_only=True)["model"]`` loads into the
     unwrapped model. The checkpoint is verified and read as ``load_checkpoint`` reads it."""
+    save_atomically(read_whole(checkpoint_dir), out_file)
+
+
+def read_whole(checkpoint_dir: str, extra_files: Sequence[str] = ()) -> dict[str, Any]:
+    """Everything a DCP checkpoint holds as full tensors and plain values, in one process, verified
+    and read as ``load_checkpoint`` reads it; with each of ``extra_files`` (``save_checkpoint_with``)
+    under its name."""
     checkpoint_dir = _published(checkpoint_dir)
     records = _check_files(checkpoint_dir)
     if records is None:
         _warn_unverified(checkpoint_dir)
     metadata = _read_metadata(checkpoint_dir, records)
+    extras = {name: _read_torch_file(checkpoint_dir, name, records) for name in extra_files}
     state = files.empty_state(metadata)
     reader = files.SafeReader(checkpoint_dir, metadata, records, verify=files.data_files(metadata))
     _read_into(checkpoint_dir, reader, state, no_dist=True)
     _verify(checkpoint_dir, records, [n for n in files.data_files(metadata) if n not in reader.verified])
+    return {**state, **extras}
+
+
+def save_atomically(state: Any, out_file: str) -> None:
+    """``torch.save(state, out_file)`` through a temporary name, so ``out_file`` is whole or absent."""
     tmp = f"{out_file}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         torch.save(state, tmp)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import os
-import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -274,14 +273,8 @@ class ShardwrapStrategy(ParallelStrategy):
         if os.path.isdir(path):
             raise IsADirectoryError(f"ShardwrapStrategy: checkpoint path '{path}' is a directory; a full checkpoint is one file")
         if self.global_rank == 0:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            try:
-                torch.save(checkpoint, tmp)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            _ckpt.save_atomically(checkpoint, path)
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -316,6 +309,31 @@ class ShardwrapStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"shardwrap_stage_{stage}", cls, description=f"shardwrap ZeRO stage {stage}", stage=stage
             )
+
+
+def export_lightning_checkpoint(checkpoint_dir: str, out_file: str) -> None:
+    """Turn a sharded checkpoint directory that ``ShardwrapStrategy`` wrote into one plain Lightning
+    checkpoint file (full tensors, a plain optimizer's state keyed by parameter index, Lightning's
+    own state), atomically. Run it in one process, at any time after training;
+    ``LitModel.load_from_checkpoint(out_file)`` loads it, and a plain strategy resumes from it."""
+    whole = _ckpt.read_whole(checkpoint_dir, extra_files=[LIGHTNING_STATE])
+    checkpoint = dict(whole[LIGHTNING_STATE])
+    checkpoint["state_dict"] = whole["model"]
+    if "optim" in whole:
+        checkpoint["optimizer_states"] = [_keyed_by_index(whole["optim"])]
+    _ckpt.save_atomically(checkpoint, out_file)
+
+
+def _keyed_by_index(osd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (as sharded checkpoints hold it) keyed as a plain
+    optimizer's: parameters numbered in the order of the parameter groups."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in osd["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    state = {index[name]: value for name, value in osd.get("state", {}).items()}
+    return {"state": state, "param_groups": groups}
 
 
 def _unwrapped(optimizer: Any) -> Optimizer:

@@ -16,6 +16,7 @@ from torch.utils.data import DistributedSampler
 pytest.importorskip("lightning")  # the [lightning] extra; the test extra installs it
 
 import lightning_worker as worker  # noqa: E402  (tests/ is on sys.path)
+from shardwrap.lightning import export_lightning_checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["shardwrap_stage_1", "shardwrap_stage_2", "shardwrap_stage_3"]
@@ -46,12 +47,16 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "s3_eval:shardwrap_stage_3:sgd:evaluate=1", "ddp_holding:ddp:sgd:prewrapped=1", "s3_meta:shardwrap_stage_3:sgd:meta=1",
     ]
     launch(out, 2, *two)
-    launch(
-        out, 1, f"s3_resume:shardwrap_stage_3:adamw:epochs=2:resume={ck}/epoch=0.ckpt",
+    exported = os.path.join(out, "exported.ckpt")
+    export_lightning_checkpoint(os.path.join(ck, "epoch=0.ckpt"), exported)
+    one = [
+        f"s3_resume:shardwrap_stage_3:adamw:epochs=2:resume={ck}/epoch=0.ckpt",
         f"s2_resume:shardwrap_stage_2:sgd:epochs=2:resume={ck}2/epoch=0.ckpt:{CLIP_ACC}",
-    )
-    results = {name.split(":")[0]: torch.load(os.path.join(out, f"{name.split(':')[0]}.pt")) for name in two + ["s3_resume:", "s2_resume:"]}
-    results["_paths"] = {"ck": ck, "full": full}
+        f"plain_resume:ddp:adamw:epochs=2:resume={exported}",
+    ]
+    launch(out, 1, *one)
+    results = {name.split(":")[0]: torch.load(os.path.join(out, f"{name.split(':')[0]}.pt")) for name in two + one}
+    results["_paths"] = {"ck": ck, "full": full, "exported": exported}
     return results
 
 
@@ -181,6 +186,21 @@ def test_full_checkpoint_loads_into_a_plain_lightning_module(runs):
     assert max_diff(got, runs["s3_full"]["params"]) == 0.0
     content = torch.load(path, weights_only=True)
     assert set(content["optimizer_states"][0]["state"]) == set(range(len(got)))  # a plain optimizer's keys
+
+
+def test_exported_sharded_checkpoint_is_the_full_file_and_a_plain_run_resumes_from_it(runs):
+    """export_lightning_checkpoint(directory) gives what save_distributed_checkpoint=False writes at
+    the same point of the same run; a plain DDP Trainer on 1 device resumes from it exactly."""
+    exported = torch.load(runs["_paths"]["exported"], weights_only=True)
+    full = torch.load(os.path.join(runs["_paths"]["full"], "epoch=0.ckpt"), weights_only=True)
+    assert max_diff(exported["state_dict"], full["state_dict"]) == 0.0
+    mine, theirs = exported["optimizer_states"][0], full["optimizer_states"][0]
+    assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
+    for i, state in theirs["state"].items():
+        assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(mine["state"][i][k])) for k in state)
+    assert exported["lr_schedulers"] == full["lr_schedulers"] and exported["global_step"] == full["global_step"]
+    assert max_diff(runs["plain_resume"]["params"], runs["s3_two"]["params"]) < 1e-5
+    assert runs["plain_resume"]["lr"] == runs["s3_two"]["lr"]
 
 
 def test_ddp_around_a_sharded_module_is_refused(runs):

@@ -12,6 +12,7 @@ from shardwrap.checkpoint import (
     save_full,
 )
 from shardwrap.mixed_precision import MixedPrecision
+from shardwrap.offload import Offload
 from shardwrap.sharded_module import ShardedModule
 from shardwrap.stage import Stage
 from shardwrap.wrap import CallablePolicy, ModuleTypePolicy, SizePolicy, WrapPolicy
@@ -26,5 +27,5 @@ __all__ = [
     "DamagedCheckpointError",
     "UnsafeCheckpointError",
     "UnverifiedCheckpointWarning",
-    "ShardedModule", "Stage", "MixedPrecision", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
+    "ShardedModule", "Stage", "MixedPrecision", "Offload", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
 __version__ = "0.1.0"

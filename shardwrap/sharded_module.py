@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -28,7 +29,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import agreement, collectives
 from shardwrap import state_dict as _sd
+from shardwrap.flat_param import FlatLayout
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
+from shardwrap.offload import Offload, OffloadStore, StateOnDisk, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
 from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
@@ -40,6 +43,7 @@ _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
 _optimizer_hook_installed = False
+_STATE_MODES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOnDisk]" = weakref.WeakKeyDictionary()  # a step creating disk state
 
 
 # ---- planning (pure: reads the module tree, changes nothing) ----------------------------------
@@ -310,7 +314,11 @@ def _inside_ddp_constructor(depth: int = 12) -> bool:
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced."""
+    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced; disk offload's
+    state placement (``_offload_pre_step``)."""
+    stale = _STATE_MODES.pop(optimizer, None)  # the last step raised before its post-hook
+    if stale is not None:
+        stale.__exit__(None, None, None)
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
@@ -320,6 +328,64 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     f"wrapped the model; it never receives a gradient. Build the optimizer after "
                     f"wrapping, from model.parameters()"
                 )
+    _offload_pre_step(optimizer)
+
+
+def _disk_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, Unit, int]]:
+    """The optimizer's parameters whose unit keeps its state on disk, with unit and slot index."""
+    found = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _SHARDED_PARAMS.get(p)
+            unit = ref() if ref is not None else None
+            if unit is not None and unit.store is not None and unit.store.kind == "disk":
+                found.append((p, unit, unit.slot_index(p)))
+    return found
+
+
+def _offload_pre_step(optimizer: torch.optim.Optimizer) -> None:
+    """Disk offload, before a step: state loaded or made since the last step goes to the files;
+    if some parameter has no state yet, the step creates it in the files (``StateOnDisk``)."""
+    disk = _disk_params(optimizer)
+    if not disk:
+        return
+    _settle_state(optimizer, disk)
+    fresh = {id(p): (unit, i) for p, unit, i in disk if not optimizer.state.get(p)}
+    if fresh:
+        counts: dict[int, int] = {}
+
+        def place(p: torch.Tensor) -> torch.Tensor | None:
+            where = fresh.get(id(p))
+            if where is None:
+                return None
+            unit, i = where
+            number = counts.get(id(p), 0)
+            counts[id(p)] = number + 1
+            return unit.state_view(i, number, p.dtype)
+
+        mode = StateOnDisk(place)
+        mode.__enter__()
+        _STATE_MODES[optimizer] = mode
+
+
+def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tensor, Unit, int]]) -> None:
+    """Move every state tensor shaped like a disk-offloaded parameter that is not in the files yet
+    (SGD's momentum is a clone of the gradient; a loaded state is new tensors) into them: the
+    ``n``-th such state of a parameter goes to the unit's ``n``-th state file."""
+    for p, unit, i in disk:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        assert unit.store is not None
+        tensors = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0]
+        for number, key in enumerate(tensors):
+            value = state[key]
+            if unit.store.holds(value):
+                continue
+            placed = unit.state_view(i, number, value.dtype)
+            with torch.no_grad():
+                placed.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
+            state[key] = placed
 
 
 def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -330,6 +396,12 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     write DTensor parameters without bumping any counter (torch 2.13). Without this, a stage-1
     model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
+    mode = _STATE_MODES.pop(optimizer, None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    disk = _disk_params(optimizer)
+    if disk:
+        _settle_state(optimizer, disk)
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -378,6 +450,7 @@ class ShardedModule(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         max_unsharded: int = 2,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        offload: Offload | None = None,
     ) -> None:
         # --- validate everything before changing any state ---
         if not collectives.is_initialized():
@@ -406,12 +479,24 @@ class ShardedModule(nn.Module):
                 f"ShardedModule: max_unsharded={max_unsharded!r}; it counts the running unit plus "
                 f"units gathered ahead of use, so it must be an int >= 1 (1 turns prefetch off)"
             )
+        if offload is not None and not isinstance(offload, Offload):
+            raise TypeError(f"ShardedModule: offload={offload!r}; pass shardwrap.Offload(optimizer='cpu' | 'disk', path=...) or None")
         policy = as_policy(auto_wrap_policy)
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
         if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
             described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
             agreement.check_same_model(described, collectives.default_group())
+        if offload is not None and offload.optimizer == "disk":  # every rank learns every rank's problem
+            elements = sum(FlatLayout(p.fqns, p.params, collectives.world_size()).shard_numel + 1 for p in plans)
+            try:
+                check_disk(offload, disk_bytes(elements), collectives.rank())
+                problem = None
+            except ValueError as exc:
+                problem = str(exc)
+            found = [p for p in collectives.all_gather_object(problem, collectives.default_group()) if p]
+            if found:
+                raise ValueError(found[0])
         on_meta = _meta_init_check(module, param_init_fn)
         init_device = _init_device() if on_meta else None
         device = _check_unit_tensors(plans, meta_ok=on_meta)
@@ -436,6 +521,9 @@ class ShardedModule(nn.Module):
         self.expect_backward = False  # a unit's outputs require grad: a backward will follow
         self.steps_done = 0  # backward passes finished (error messages name the step)
         self.sync = True  # False inside no_sync()
+        self.offload = offload or Offload()
+        store = OffloadStore(self.offload, collectives.rank(), self) if self.offload.enabled else None
+        self.offload_store = store
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -450,6 +538,7 @@ class ShardedModule(nn.Module):
                 root=self, name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns,
                 slots=plan.slots, mesh=self.mesh, reduce_group=reduce_group, stage=switches,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
+                store=store,
             )
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
                 self._unit_of[id(new)] = (unit, j)

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwrap import collectives
+from shardwrap.offload import OffloadStore
 from shardwrap.flat_param import FlatLayout, ParamSlot
 from shardwrap.stage import Stage
 
@@ -200,8 +201,10 @@ class Unit:
         stage: Stage,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        store: OffloadStore | None = None,
     ) -> None:
-        """Shard ``params`` (full and already identical on every rank) over ``mesh``.
+        """Shard ``params`` (full and already identical on every rank) over ``mesh``; with a
+        ``store``, the master shard lives there (design/notes/offload.md).
 
         Postcondition: every slot holds the sharded parameter; the unsharded buffer is freed
         (unless the shard lives in it).
@@ -218,7 +221,9 @@ class Unit:
         self.stage = stage
         self.slots = [list(s) for s in slots]
         self.layout = FlatLayout(fqns, params, self.world_size)
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = params[0].device if params else torch.device("cpu")  # where gathers and compute run
+        self.store = store
+        self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
         self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
         self.param_dtype = param_dtype or self.dtype  # all-gather and compute
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
@@ -237,7 +242,7 @@ class Unit:
         # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
         # it serve as the master shard and the rows of the unsharded gradient as the sharded
         # gradient: no second copy of either (design/notes/stages.md).
-        self.shard_in_unsharded = stage.keep_unsharded_grad and self.param_dtype == self.dtype
+        self.shard_in_unsharded = stage.keep_unsharded_grad and self.param_dtype == self.dtype and store is None
         self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
         self._sharded_storage: torch.Tensor | None = None
         if self.shard_in_unsharded:
@@ -247,7 +252,10 @@ class Unit:
             self._data = DataState.UNSHARDED
         else:
             # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
-            self._sharded_storage = torch.empty(S + 1, dtype=self.dtype, device=self.device)
+            self._sharded_storage = (
+                store.tensor(f"unit{index}-params", S + 1, self.dtype) if store is not None
+                else torch.empty(S + 1, dtype=self.dtype, device=self.device)
+            )
             with torch.no_grad():
                 layout.fill_shard_from_full([p.detach() for p in params], self._sharded_storage.narrow(0, 0, S), self.rank)
                 self._sharded_storage[S] = float(index)
@@ -360,6 +368,25 @@ class Unit:
         if state not in expected:
             raise self._fail(what, state, expected)
 
+    # ---- offloaded optimizer state (design/notes/offload.md) -------------------------------------
+
+    def slot_index(self, param: torch.Tensor) -> int:
+        """The position of ``param`` (one of ``sharded_params``) in the unit."""
+        return next(i for i, p in enumerate(self.sharded_params) if p is param)
+
+    def state_view(self, i: int, number: int, dtype: torch.dtype) -> DTensor:
+        """Parameter ``i``'s part of the unit's ``number``-th optimizer-state file (one file per
+        state a parameter has: Adam's ``exp_avg`` is number 0 for every parameter), a DTensor laid
+        out like the parameter. The file is made on first use."""
+        assert self.store is not None
+        key = (self.index, number)
+        arena = self.store.arenas.get(key)
+        if arena is None:
+            arena = self.store.tensor(f"unit{self.index}-state{number}", self.layout.shard_numel, dtype)
+            self.store.arenas[key] = arena
+        view = self.layout.sharded_views(arena, self.rank)[i]
+        return self.as_dtensor(view, self.layout.slots[i])
+
     # ---- the flat shard (the surface state_dict.py and checkpoint.py read) ----------------------
 
     def read_shard(self) -> torch.Tensor:
@@ -419,7 +446,7 @@ class Unit:
         layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not layout.slots:
             return []
-        source = self.read_shard() if flat is None else flat
+        source = (self.read_shard() if flat is None else flat).to(self.device)
         gathered = torch.empty(W * (S + 1), dtype=source.dtype, device=self.device)
         collectives.all_gather(gathered, source, self.group)
         rows = gathered.view(W, S + 1)
@@ -564,7 +591,11 @@ class Unit:
             return
         if self.device.type == "cpu" and W > 1:
             self._check_in_step()
-        send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
+        if self.store is not None:  # the master shard is on the offload side: stage it here
+            send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
+            send.copy_(self.read_shard(), non_blocking=True)
+        else:
+            send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
         gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
         work = collectives.all_gather(gathered, send, self.group, async_op=True)
         self._gather, self._data = _Gather(work, gathered, send), DataState.GATHERING
@@ -816,7 +847,11 @@ class Unit:
         self._grad = GradState.REDUCED
         if not r.used_here and reduced[S].item() == 0:
             return
-        sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
+        if self.store is not None:  # the gradient shard goes to the offload side at once
+            sharded_grad = torch.empty(S, dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
+            sharded_grad.copy_(reduced.narrow(0, 0, S), non_blocking=True)
+        else:
+            sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
         _average_grad(sharded_grad, self.world_size)
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)

@@ -46,6 +46,7 @@ class Case:
     norm_type: float = 2.0
     max_unsharded: int = 2
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
+    offload: str | None = None  # Offload(optimizer=...): "cpu" | "disk" (files in a new temporary directory)
     seed: int = 0
 
 
@@ -233,16 +234,22 @@ def train_sharded(case: Case, mutation: str | None = None) -> dict[str, Any]:
 
 
 def _train_sharded(case: Case) -> dict[str, Any]:
-    from shardwrap import MixedPrecision, ShardedModule
+    import tempfile
+
+    from shardwrap import MixedPrecision, Offload, ShardedModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[case.mixed_precision]
+    offload = None
+    if case.offload is not None:
+        offload = Offload(case.offload, path=tempfile.mkdtemp(prefix="shardwrap-offload-test-") if case.offload == "disk" else None)
     model = ShardedModule(
         build_model(case),
         auto_wrap_policy=resolve_policy(case),
         stage=case.stage,
         mixed_precision=MixedPrecision(param_dtype=dtype) if dtype else None,
         max_unsharded=case.max_unsharded,
+        offload=offload,
     )
     opt = build_optimizer(case, model)
     losses, norms = [], []
@@ -262,7 +269,16 @@ def _train_sharded(case: Case) -> dict[str, Any]:
             norms.append(clip(case, model))
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
+    store = model.offload_store
+    on_disk = None
+    if store is not None and store.kind == "disk":  # what lives in the files: every shard, every state like a parameter
+        on_disk = {
+            "params": all(store.holds(p) for p in model.parameters() if p.numel()),
+            "state": [store.holds(v) for p in model.parameters() for v in opt.state.get(p, {}).values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.to_local().numel()],
+        }
     return {
+        "on_disk": on_disk,
         "full": model.full_state_dict(),
         "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
         "losses": losses,

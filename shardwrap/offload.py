@@ -1,0 +1,150 @@
+"""Offload: the sharded fp32 master parameters, their gradients and the optimizer state live in host
+memory (``"cpu"``, ZeRO-Offload) or in files mapped into memory (``"disk"``, ZeRO-Infinity), and
+the optimizer step runs there [design/notes/offload.md].
+
+A unit's master shard is allocated by the rank's ``OffloadStore`` instead of on the compute
+device; the unit copies it to the compute device before each all-gather and copies each reduced
+gradient shard back. With ``"disk"`` the store also holds the optimizer state: ``StateOnDisk``
+catches the optimizer's ``zeros_like``/``empty_like`` of an offloaded parameter during the step
+that creates its state, and ``settle_state`` moves any other state tensor shaped like an offloaded
+parameter (SGD's momentum, a loaded state) into the store, so that a plain torch optimizer over
+``model.parameters()`` never knows where its tensors live.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MARKER = "SHARDWRAP-OFFLOAD-SCRATCH.txt"  # says what the directory is: never a checkpoint
+_KINDS = (None, "cpu", "disk")
+_STATE_BYTES_PER_ELEMENT = 12  # what the space check plans for: the master shard and two fp32 states (Adam)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """``optimizer``: where the sharded fp32 master parameters, their gradients and the optimizer
+    state live and where the step runs: ``None`` (the compute device), ``"cpu"`` (host memory,
+    pinned when there is an accelerator) or ``"disk"`` (files under ``path``; gradient shards stay
+    in host memory). ``path``: the directory for ``"disk"``; each rank writes its files in a
+    directory of its own under it and removes it when the model is deleted or the process exits."""
+
+    optimizer: str | None = None
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _KINDS:
+            raise ValueError(f"Offload(optimizer={self.optimizer!r}): expected None, 'cpu' or 'disk'")
+        if self.optimizer == "disk" and not self.path:
+            raise ValueError("Offload(optimizer='disk') needs path=: a directory on a disk with room for this rank's shards and optimizer state")
+        if self.optimizer != "disk" and self.path is not None:
+            raise ValueError(f"Offload(path={self.path!r}) is only used with optimizer='disk'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer is not None
+
+
+def check_disk(offload: Offload, needed: int, rank: int) -> None:
+    """Refuse (before anything is built) a path that is not a writable directory, or lacks room
+    for ``needed`` bytes of this rank's files."""
+    path = str(offload.path)
+    if not os.path.isdir(path):
+        raise ValueError(f"Offload(path={path!r}): not a directory; create it first (rank {rank})")
+    probe = os.path.join(path, f".shardwrap-write-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"Offload(path={path!r}): rank {rank} cannot write there ({exc})") from None
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise ValueError(
+            f"Offload(path={path!r}): rank {rank} needs {needed / 2**30:.2f} GiB for its master shards and optimizer "
+            f"state ({needed} bytes) and the disk has {free / 2**30:.2f} GiB free; free space or choose another path"
+        )
+
+
+def disk_bytes(shard_elements: int, element_size: int = 4) -> int:
+    """Bytes one rank's disk files take for ``shard_elements`` fp32 shard elements: the master
+    shard and two optimizer states (AdamW's moments), which is what the space check asks for."""
+    return shard_elements * element_size * _STATE_BYTES_PER_ELEMENT // 4
+
+
+class OffloadStore:
+    """One rank's offloaded tensors: plain (pinned, with an accelerator) host tensors for
+    ``"cpu"``; for ``"disk"``, one file per tensor in a directory of the rank's own, each mapped
+    shared into memory, so that the kernel writes its pages back and drops them as it needs."""
+
+    def __init__(self, offload: Offload, rank: int, owner: object) -> None:
+        self.kind = offload.optimizer
+        self.directory: str | None = None
+        self._maps: list[mmap.mmap] = []
+        self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
+        self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
+        if self.kind == "disk":
+            self.directory = os.path.join(str(offload.path), f"shardwrap-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}")
+            os.makedirs(self.directory)
+            with open(os.path.join(self.directory, MARKER), "w") as f:
+                f.write(
+                    "Scratch files of a running shardwrap job (Offload(optimizer='disk')): master shards and optimizer "
+                    "state in shardwrap's own layout, not a checkpoint. Safe to delete when no job runs.\n"
+                )
+            # Removed when the model goes or the process exits cleanly. Open mappings keep their
+            # pages until the tensors over them die; the names go at once.
+            weakref.finalize(owner, shutil.rmtree, self.directory, True)
+
+    def tensor(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new zero tensor of ``numel`` elements on the offload side."""
+        if self.kind != "disk" or numel == 0:
+            return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+        assert self.directory is not None
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        with open(os.path.join(self.directory, f"{name}.bin"), "w+b") as f:
+            f.truncate(nbytes)  # sparse: zeros, no disk blocks until written
+            mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps.append(mapped)
+        out = torch.frombuffer(mapped, dtype=dtype, count=numel)
+        self._disk_storages.add(out.untyped_storage().data_ptr())
+        return out
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (a DTensor: its local tensor) lives in one of this store's files."""
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.untyped_storage().data_ptr() in self._disk_storages
+
+    def release_pages(self) -> None:
+        """Ask the kernel to write back and drop the mapped pages (they are read again from the
+        files when next touched): keeps the page cache from filling with a step's worth of state."""
+        for mapped in self._maps:
+            mapped.madvise(mmap.MADV_PAGEOUT if hasattr(mmap, "MADV_PAGEOUT") else mmap.MADV_DONTNEED)
+
+
+class StateOnDisk(TorchDispatchMode):
+    """During an optimizer step that creates state: ``zeros_like(p)`` / ``empty_like(p)`` of an
+    offloaded parameter ``p`` (how Adam, AdamW, Adagrad... create theirs) returns zeros in the
+    store instead of anonymous memory. ``place(p, n)`` gives the ``n``-th such tensor for ``p``."""
+
+    def __init__(self, place: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        super().__init__()
+        self._place = place
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default) and isinstance(args[0], DTensor):
+            dtype = kwargs.get("dtype")
+            if dtype is None or dtype == args[0].dtype:
+                placed = self._place(args[0])
+                if placed is not None:
+                    return placed
+        return func(*args, **kwargs)

@@ -1,0 +1,197 @@
+"""Offload: parity with the unwrapped model for every stage, optimizer, world size and offload kind;
+where the tensors live; composition with mixed precision, no_sync and checkpoints; bad input;
+and the disk files' life (design/notes/offload.md)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_hypothesis_trees import trees
+
+import models
+from harness import RankError, run_on_ranks
+from parity import Case, check_parity
+
+from shardwrap import Offload, ShardedModule, load_checkpoint, save_checkpoint
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parity_every_stage(stage, optim, offload):
+    results = check_parity(Case("mlp", policy="Block", optim=optim, stage=stage, offload=offload), 2)
+    if offload == "disk":  # the master shards and every state shaped like a parameter are in the files
+        for r in results:
+            assert r["on_disk"]["params"] and r["on_disk"]["state"] and all(r["on_disk"]["state"])
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_parity_other_world_sizes(world, offload):
+    check_parity(Case("mlp", policy="Block", optim="adamw", stage=3, offload=offload), world)
+    check_parity(Case("mlp", policy="Block", optim="sgd", stage=2, offload=offload), world)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_composes_with_mixed_precision_and_no_sync(offload):
+    for stage in (1, 3):
+        case = Case("mlp", policy="Block", optim="sgd", stage=stage, offload=offload, mixed_precision="bf16", accumulate=2, no_sync=True)
+        check_parity(case, 2)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(spec=trees, world=st.integers(1, 3), stage=st.sampled_from([1, 2, 3]), optim=st.sampled_from(["sgd", "adamw"]),
+       offload=st.sampled_from(["cpu", "disk"]))
+def test_parity_generated_trees(spec, world, stage, optim, offload):
+    """The generated trees of test_hypothesis_trees.py (frozen, tied, tiny and zero-size
+    parameters) with offload."""
+    case = Case("tree", {"spec": spec, "dim": 6}, policy="marked", optim=optim, stage=stage, offload=offload, dim=6, seq=5, out=6)
+    check_parity(case, world)
+
+
+def _checkpoint_roundtrip(directory: str, stage: int) -> dict:
+    """Train 2 steps with disk offload, save, train 2 more; a second disk-offload model loads the
+    checkpoint and trains the same 2 steps: both end equal, and the loaded state went to the files."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> tuple[ShardedModule, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage,
+                              offload=Offload("disk", path=tempfile.mkdtemp(prefix="shardwrap-offload-test-")))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model: ShardedModule, opt: torch.optim.Optimizer, i: int) -> None:
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(i)).chunk(world)[rank]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    for i in range(2):
+        step(model, opt, i)
+    save_checkpoint(os.path.join(directory, "ck"), model, opt)
+    for i in range(2, 4):
+        step(model, opt, i)
+    other, other_opt = build()
+    load_checkpoint(os.path.join(directory, "ck"), other, other_opt)
+    for i in range(2, 4):
+        step(other, other_opt, i)
+    store = other.offload_store
+    assert store is not None
+    states = [v for p in other.parameters() for v in other_opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.to_local().numel()]
+    return {
+        "a": model.full_state_dict(rank0_only=False), "b": other.full_state_dict(rank0_only=False),
+        "on_disk": bool(states) and all(store.holds(v) for v in states),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoints_with_disk_offload(tmp_path, stage):
+    for result in run_on_ranks(2, _checkpoint_roundtrip, str(tmp_path), stage):
+        assert result["on_disk"]
+        for name, value in result["a"].items():
+            torch.testing.assert_close(result["b"][name], value, rtol=0, atol=0)
+
+
+def test_bad_offload_values_are_refused():
+    with pytest.raises(ValueError, match="'gpu'.*None, 'cpu' or 'disk'"):
+        Offload("gpu")
+    with pytest.raises(ValueError, match="needs path="):
+        Offload("disk")
+    with pytest.raises(ValueError, match="only used with optimizer='disk'"):
+        Offload("cpu", path="/tmp")
+
+
+def _wrap_with(offload: Offload | None, *, full_disk: bool = False, bad_rank: int | None = None) -> str:
+    """Runs on every rank: wrap with ``offload`` (rank ``bad_rank`` gets a path that is a file; with
+    ``full_disk`` the disk reports 1 MiB free); returns the error's message."""
+    import shutil
+
+    import shardwrap.offload as off
+
+    if bad_rank == dist.get_rank():
+        offload = Offload("disk", path=__file__)
+    real = off.shutil.disk_usage
+    if full_disk:
+        off.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(2**30, 2**30 - 100, 100)  # type: ignore[attr-defined]
+    try:
+        torch.manual_seed(0)
+        model = models.mlp()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            ShardedModule(model, auto_wrap_policy={models.Block}, offload=offload)
+        except (ValueError, TypeError) as exc:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the model changed"
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    finally:
+        off.shutil.disk_usage = real
+
+
+def test_disk_problems_are_refused_on_every_rank(tmp_path):
+    errors = run_on_ranks(2, _wrap_with, Offload("disk", path=str(tmp_path)), full_disk=True)
+    for e in errors:
+        assert e.startswith("ValueError") and "needs" in e and "bytes" in e and "GiB free" in e
+    errors = run_on_ranks(2, _wrap_with, Offload("disk", path=str(tmp_path)), bad_rank=1)
+    assert all("not a directory" in e and "rank 1" in e for e in errors)  # rank 0's path was fine
+    errors = run_on_ranks(2, _wrap_with, "disk")
+    assert all(e.startswith("TypeError") and "shardwrap.Offload" in e for e in errors)
+
+
+def _files_life(directory: str) -> dict:
+    """Runs on every rank: the rank's directory exists with its marker while the model lives, is
+    refused as a checkpoint, and is gone once the model is deleted."""
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
+    rank_dir = model.offload_store.directory
+    alive = sorted(os.listdir(rank_dir))
+    try:
+        load_checkpoint(rank_dir, model)
+        refused = "loaded"
+    except FileNotFoundError as exc:
+        refused = str(exc)
+    del model
+    gc.collect()
+    return {"alive": alive, "refused": refused, "gone": not os.path.exists(rank_dir)}
+
+
+def test_disk_files_are_not_a_checkpoint_and_go_with_the_model(tmp_path):
+    results = run_on_ranks(2, _files_life, str(tmp_path))
+    for r in results:
+        assert "SHARDWRAP-OFFLOAD-SCRATCH.txt" in r["alive"] and any(n.endswith("-params.bin") for n in r["alive"])
+        assert "no DCP checkpoint there" in r["refused"]
+        assert r["gone"]
+
+
+def _the_state_created_by_a_step_is_file_backed_from_the_start(directory: str) -> list[bool]:
+    """Runs on every rank: AdamW's state is created in the files (``StateOnDisk``), never as
+    anonymous tensors: the step's allocations shaped like a parameter all land in the store."""
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    seen: list[torch.Tensor] = []
+    real = torch.zeros_like
+
+    def spy(t: torch.Tensor, *args, **kwargs):  # what AdamW's _init_group returns for each state
+        out = real(t, *args, **kwargs)
+        seen.append(out)
+        return out
+
+    torch.zeros_like = spy  # type: ignore[assignment]
+    try:
+        opt.step()
+    finally:
+        torch.zeros_like = real  # type: ignore[assignment]
+    return [model.offload_store.holds(t) for t in seen if t.dim() > 0 and t.to_local().numel()]
+
+
+def test_adamw_state_is_born_on_disk(tmp_path):
+    for placed in run_on_ranks(2, _the_state_created_by_a_step_is_file_backed_from_the_start, str(tmp_path)):
+        assert placed and all(placed)

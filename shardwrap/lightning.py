@@ -1,7 +1,7 @@
 """Lightning: ``Trainer(strategy="shardwrap_stage_2")``.
 
-``import shardwrap.lightning`` registers ``shardwrap_stage_1``, ``shardwrap_stage_2`` and
-``shardwrap_stage_3`` in Lightning's ``StrategyRegistry`` (Lightning resolves the strategy string
+``import shardwrap.lightning`` registers ``shardwrap_stage_1``, ``shardwrap_stage_2``,
+``shardwrap_stage_3`` and ``shardwrap_stage_3_offload`` in Lightning's ``StrategyRegistry`` (Lightning resolves the strategy string
 before it loads any plugin entry point, so the import is needed). ``ShardwrapStrategy(...)`` takes
 the options directly. See design/notes/lightning.md.
 
@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from shardwrap import checkpoint as _ckpt
 from shardwrap.mixed_precision import MixedPrecision
+from shardwrap.offload import Offload
 from shardwrap.sharded_module import ShardedModule
 from shardwrap.stage import Stage
 from shardwrap.wrap import PolicyLike
@@ -69,8 +70,8 @@ _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 class ShardwrapStrategy(ParallelStrategy):
     """Train a LightningModule with shardwrap's ZeRO stage ``stage`` (1, 2 or 3) over every device.
 
-    ``auto_wrap_policy``, ``mixed_precision``, ``max_unsharded`` and ``param_init_fn`` are
-    ``ShardedModule``'s. ``mixed_precision`` overrides what Lightning's ``precision`` flag maps to.
+    ``auto_wrap_policy``, ``mixed_precision``, ``max_unsharded``, ``param_init_fn`` and
+    ``offload`` are ``ShardedModule``'s. ``mixed_precision`` overrides what Lightning's ``precision`` flag maps to.
     ``accumulate_unsharded``: skip the gradient reduction between accumulated micro-batches
     (``no_sync``); default: at stage 1 only, where gradients are full anyway.
     ``save_distributed_checkpoint=False``: checkpoints are one plain Lightning file of full tensors.
@@ -86,6 +87,7 @@ class ShardwrapStrategy(ParallelStrategy):
         mixed_precision: MixedPrecision | None = None,
         max_unsharded: int = 2,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        offload: Offload | None = None,
         accumulate_unsharded: bool | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -99,7 +101,7 @@ class ShardwrapStrategy(ParallelStrategy):
         self.stage = stage
         self._switches = switches
         self._wrap_kwargs: dict[str, Any] = dict(
-            auto_wrap_policy=auto_wrap_policy, max_unsharded=max_unsharded, param_init_fn=param_init_fn
+            auto_wrap_policy=auto_wrap_policy, max_unsharded=max_unsharded, param_init_fn=param_init_fn, offload=offload
         )
         self._mixed_precision = mixed_precision
         self._accumulate_unsharded = accumulate_unsharded
@@ -309,6 +311,10 @@ class ShardwrapStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"shardwrap_stage_{stage}", cls, description=f"shardwrap ZeRO stage {stage}", stage=stage
             )
+        strategy_registry.register(  # DeepSpeed's deepspeed_stage_3_offload: master shards, gradients, optimizer in host memory
+            "shardwrap_stage_3_offload", cls, description="shardwrap ZeRO stage 3, optimizer offloaded to host memory",
+            stage=3, offload=Offload("cpu"),
+        )
 
 
 def export_lightning_checkpoint(checkpoint_dir: str, out_file: str) -> None:

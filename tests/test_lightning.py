@@ -39,7 +39,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "ddp_sgd:ddp:sgd", "ddp_adam:ddp:adamw", f"ddp_ca:ddp:sgd:{CLIP_ACC}",
         f"ddp_bf:ddp:adamw:precision=bf16-mixed:{CLIP_ACC}", f"ddp_bfs:ddp:sgd:precision=bf16-mixed:{CLIP_ACC}",
         *(f"s{s[-1]}_sgd:{s}:sgd" for s in STAGES), *(f"s{s[-1]}_ca:{s}:sgd:{CLIP_ACC}" for s in STAGES),
-        "s3_adam:shardwrap_stage_3:adamw", f"s3_bf:shardwrap_stage_3:adamw:precision=bf16-mixed:{CLIP_ACC}",
+        "s3_adam:shardwrap_stage_3:adamw", "s3off_adam:shardwrap_stage_3_offload:adamw", "s3off_sgd:shardwrap_stage_3_offload:sgd", f"s3_bf:shardwrap_stage_3:adamw:precision=bf16-mixed:{CLIP_ACC}",
         f"s3_bfs:shardwrap_stage_3:sgd:precision=bf16-mixed:{CLIP_ACC}",
         f"s3_save:shardwrap_stage_3:adamw:save={ck}", "s3_two:shardwrap_stage_3:adamw:epochs=2",
         f"s2_save:shardwrap_stage_2:sgd:save={ck}2:{CLIP_ACC}", f"s2_two:shardwrap_stage_2:sgd:epochs=2:{CLIP_ACC}",
@@ -103,9 +103,15 @@ def test_training_equals_single_process_and_ddp(runs, name):
     assert max_diff(runs[name]["params"], reference("sgd", steps=3)) > 1e-3
 
 
-def test_adamw_equals_single_process_and_ddp(runs):
-    assert max_diff(runs["s3_adam"]["params"], reference("adamw", steps=4)) < 1e-5
-    assert max_diff(runs["s3_adam"]["params"], runs["ddp_adam"]["params"]) < 1e-6
+@pytest.mark.parametrize("name", ["s3_adam", "s3off_adam"])
+def test_adamw_equals_single_process_and_ddp(runs, name):
+    assert max_diff(runs[name]["params"], reference("adamw", steps=4)) < 1e-5
+    assert max_diff(runs[name]["params"], runs["ddp_adam"]["params"]) < 1e-6
+
+
+def test_stage_3_offload_string_trains_sgd_like_ddp(runs):
+    """strategy="shardwrap_stage_3_offload" (DeepSpeed's deepspeed_stage_3_offload)."""
+    assert max_diff(runs["s3off_sgd"]["params"], runs["ddp_sgd"]["params"]) < 1e-6
 
 
 @pytest.mark.parametrize("name", ["s1_ca", "s2_ca", "s3_ca"])

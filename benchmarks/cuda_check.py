@@ -13,7 +13,9 @@ check fails:
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
    s3 and s3 without prefetch beside fully_shard (reshard_after_forward True and False), FSDP1
    FULL_SHARD and DDP, on the same model and data, and shardwrap s3 and fully_shard with every
-   block compiled (torch.compile, fullgraph) with their first step's time (the compile);
+   block compiled (torch.compile, fullgraph) with their first step's time (the compile), and
+   shardwrap s3 with ``Offload("cpu")`` beside fully_shard with ``CPUOffloadPolicy`` (the device
+   peak is the offload's point: only the units in use and their gradients stay on the GPU);
 4. the main job: examples/train_gpt2.py under torchrun with nccl, unchanged, in bf16.
 
 With one rank the collectives move no bytes across GPUs but still run as NCCL work on NCCL's
@@ -42,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
 
 from common import apply_fully_shard  # noqa: E402  (benchmarks/common.py)
-from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
+from shardwrap import MixedPrecision, Offload, ShardedModule  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -110,12 +112,20 @@ def wrap(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     elif impl == "fsdp1 FULL_SHARD":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), sharding_strategy=ShardingStrategy.FULL_SHARD,
                      device_id=device, use_orig_params=True)
+    elif impl == "fully_shard cpu-offload":  # CPUOffloadPolicy: shards, grads and the step on the host
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        for m in model.modules():
+            if isinstance(m, tuple(units)):
+                fully_shard(m, offload_policy=CPUOffloadPolicy())
+        model = fully_shard(model, offload_policy=CPUOffloadPolicy())
     elif impl.startswith("fully_shard"):
         model = apply_fully_shard(model, units, reshard_after_forward="False" not in impl)
-    else:  # "shardwrap s<stage>[ bf16][ no-prefetch]"
+    else:  # "shardwrap s<stage>[ bf16][ no-prefetch][ cpu-offload]"
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2,
-                              mixed_precision=BF16 if "bf16" in impl else None)
+                              mixed_precision=BF16 if "bf16" in impl else None,
+                              offload=Offload("cpu") if "cpu-offload" in impl else None)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
@@ -227,7 +237,9 @@ report["overlap"] = overlap
 # ---- 3. speed and memory ------------------------------------------------------------------------
 speed = {}
 for impl in ["ddp", "fsdp1 FULL_SHARD", "fully_shard", "fully_shard raf=False", "shardwrap s1", "shardwrap s2",
-             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16", "fully_shard compiled", "shardwrap s3 compiled"]:
+             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16", "fully_shard compiled", "shardwrap s3 compiled",
+             *(["fully_shard cpu-offload"] if ON_GPU else []),  # CPUOffloadPolicy needs an accelerator
+             "shardwrap s3 cpu-offload"]:
     model, opt = wrap(impl)
     _, warm = train(model, opt, WARMUP)
     if ON_GPU:

@@ -849,7 +849,9 @@ class Unit:
             return
         if self.store is not None:  # the gradient shard goes to the offload side at once
             sharded_grad = torch.empty(S, dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
-            sharded_grad.copy_(reduced.narrow(0, 0, S), non_blocking=True)
+            # Blocking: the host step reads it next. It also orders every earlier host-to-device
+            # copy of a shard before the step that rewrites the shard.
+            sharded_grad.copy_(reduced.narrow(0, 0, S))
         else:
             sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
         _average_grad(sharded_grad, self.world_size)

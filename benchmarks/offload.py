@@ -141,6 +141,8 @@ def train(offload: Offload | None, label: str) -> dict:
     with torch.device("meta"):
         model = GPT(n_layer, d, heads)
     psi = sum(p.numel() for p in model.parameters())
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if unit_policy(m)]
+    units.append(psi - sum(units))  # the root unit: what no policy unit took
     start = time.perf_counter()
     with Sampler() as wrap_mem:
         sharded = ShardedModule(model, auto_wrap_policy=unit_policy, stage=3, offload=offload)
@@ -163,7 +165,7 @@ def train(offload: Offload | None, label: str) -> dict:
         read1, written1 = io_bytes()
         steps.append({
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "read": read1 - read0,
-            "written": written1 - written0, "loss": float(loss),
+            "written": written1 - written0, "loss": loss.item(),
         })
         if rank == 0:
             s = steps[-1]
@@ -171,7 +173,7 @@ def train(offload: Offload | None, label: str) -> dict:
                   f"read {s['read'] / GiB:.2f} GiB, written {s['written'] / GiB:.2f} GiB, loss {s['loss']:.4f}", flush=True)
     final = {n: p.detach().to_local().clone() for n, p in sharded.named_parameters()} if args.compare else {}
     del sharded, opt
-    return {"psi": psi, "wrap_s": wrap_time, "wrap_peak_anon": wrap_mem.peak, "steps": steps, "final": final}
+    return {"psi": psi, "units": units, "wrap_s": wrap_time, "wrap_peak_anon": wrap_mem.peak, "steps": steps, "final": final}
 
 
 dist.init_process_group("gloo")
@@ -198,7 +200,12 @@ if rank == 0:
 
     psi = runs["disk"]["psi"]
     n_layer, d, _ = SIZES[args.size]
-    predicted = estimate.offload_estimate(psi, world, stage=3, offload="disk", unit=VOCAB * d) if hasattr(estimate, "offload_estimate") else None
+    units = runs["disk"]["units"]
+    offloaded = estimate.offload_formula(psi, units, world, "none", "disk")[3]
+    plain = estimate.formula(psi, max(units), world, "none")[3]
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    peaks = [max(s["peak_anon"] for s in g["disk"]["steps"]) for g in gathered]
+    baselines = [g["baseline_anon"] for g in gathered]
     lines = [
         f"# Disk offload (ZeRO-Infinity): GPT {args.size}, {psi / 1e9:.2f} B parameters, W={world}, AdamW, stage 3",
         "",
@@ -223,8 +230,18 @@ if rank == 0:
             )
     if args.compare:
         lines += ["", f"Disk offload and in-memory training end bit-identical on every rank: {all(agreed)}"]
-    if predicted is not None:
-        lines += ["", f"Estimator: {predicted}"]
+    lines += [
+        "",
+        f"Estimator (`shardwrap.estimate.offload_formula`, this model's units, stage 3, disk): model-state RAM per rank "
+        f"{offloaded['cpu_only_ram'] / GiB:.2f} GiB (gradient shards {offloaded['host'] / GiB:.2f}, unsharded working set "
+        f"{offloaded['device'] / GiB:.2f}) and {offloaded['disk'] / GiB:.2f} GiB of files; with each rank's RssAnon before "
+        f"the model added: " + ", ".join(f"rank {r} {(offloaded['cpu_only_ram'] + b) / GiB:.2f} GiB" for r, b in enumerate(baselines))
+        + ". Measured peak RssAnon over the steps: " + ", ".join(
+            f"rank {r} {pk / GiB:.2f} GiB ({pk / (offloaded['cpu_only_ram'] + b) - 1:+.1%})" for r, (pk, b) in enumerate(zip(peaks, baselines))),
+        f"Without offload the estimator counts {plain['total'] / GiB:.2f} GiB per rank, {world * plain['total'] / GiB:.2f} GiB "
+        f"for the {world} ranks against this machine's {machine / GiB:.1f} GiB: "
+        + ("it does not fit." if world * plain["total"] > machine else "it fits."),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

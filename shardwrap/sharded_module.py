@@ -524,6 +524,7 @@ class ShardedModule(nn.Module):
         self.offload = offload or Offload()
         store = OffloadStore(self.offload, collectives.rank(), self) if self.offload.enabled else None
         self.offload_store = store
+        self._copy_stream: torch.cuda.Stream | None = None
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -675,6 +676,12 @@ class ShardedModule(nn.Module):
             ) from exc
         finally:
             self.in_call = False
+
+    def copy_stream(self) -> "torch.cuda.Stream":
+        """The CUDA stream that offloaded units copy their shards to the device on (made once)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        return self._copy_stream
 
     @property
     def units(self) -> list[Unit]:

@@ -593,7 +593,15 @@ class Unit:
             self._check_in_step()
         if self.store is not None:  # the master shard is on the offload side: stage it here
             send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
-            send.copy_(self.read_shard(), non_blocking=True)
+            if self.device.type == "cuda":  # on a copy stream of its own, ordered before the gather
+                stream = self._root.copy_stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    send.copy_(self.read_shard(), non_blocking=True)
+                send.record_stream(stream)
+                torch.cuda.current_stream().wait_stream(stream)
+            else:  # a CPU-only run: the same path, a host-to-host copy
+                send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
         gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)

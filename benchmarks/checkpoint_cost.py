@@ -50,7 +50,7 @@ x = torch.randn(16 * world, 2000, generator=torch.Generator().manual_seed(1)).ch
 model(x).pow(2).mean().backward()
 opt.step()  # AdamW state exists: the checkpoint holds parameters, exp_avg and exp_avg_sq
 opt.zero_grad()
-count = torch.tensor([sum(p.numel() for p in model.parameters())])  # this rank's torch.chunk pieces
+count = torch.tensor([sum(p.to_local().numel() for p in model.parameters())])  # this rank's torch.chunk pieces
 dist.all_reduce(count)
 params = int(count.item())
 

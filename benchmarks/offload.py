@@ -92,6 +92,7 @@ class Sampler:
 
     def __enter__(self) -> "Sampler":
         self.peak, self._stop = rss_anon(), threading.Event()
+        self.file_peak = rss_file()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
@@ -99,6 +100,7 @@ class Sampler:
     def _poll(self) -> None:
         while not self._stop.wait(0.01):
             self.peak = max(self.peak, rss_anon())
+            self.file_peak = max(self.file_peak, rss_file())
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -107,9 +109,18 @@ class Sampler:
 
 
 def rss_anon() -> int:
+    return _status("RssAnon:")
+
+
+def rss_file() -> int:
+    """Resident pages of mapped files: the offload files' pages this process has touched."""
+    return _status("RssFile:")
+
+
+def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -164,7 +175,7 @@ def train(offload: Offload | None, label: str) -> dict:
             dist.barrier()
         read1, written1 = io_bytes()
         steps.append({
-            "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "read": read1 - read0,
+            "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
             "written": written1 - written0, "loss": loss.item(),
         })
         if rank == 0:
@@ -217,14 +228,15 @@ if rank == 0:
         f"Wrap (materialize unit by unit into the files): {runs['disk']['wrap_s']:.1f} s, peak RssAnon "
         + ", ".join(f"rank {r} {g['disk']['wrap_peak_anon'] / GiB:.2f} GiB" for r, g in enumerate(gathered)),
         "",
-        "| run | step | time s | peak RssAnon per rank GiB | read per rank GiB | written per rank GiB | loss |",
-        "|---|---|---|---|---|---|---|",
+        "| run | step | time s | peak RssAnon per rank GiB | peak RssFile per rank GiB | read per rank GiB | written per rank GiB | loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label in runs:
         for i in range(args.steps):
             per = [g[label]["steps"][i] for g in gathered]
             lines.append(
                 f"| {label} | {i} | {per[0]['time_s']:.1f} | " + " / ".join(f"{s['peak_anon'] / GiB:.2f}" for s in per)
+                + " | " + " / ".join(f"{s['peak_file'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['read'] / GiB:.2f}" for s in per) + " | "
                 + " / ".join(f"{s['written'] / GiB:.2f}" for s in per) + f" | {per[0]['loss']:.4f} |"
             )

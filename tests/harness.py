@@ -53,6 +53,11 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, path: list[str], p
 
     timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout)
+    import shardwrap.collectives
+
+    # The test models are tiny: every data collective takes the pairwise path the large ones take
+    # (design/notes/cpu-collectives.md); test_collectives.py covers torch's path against it.
+    shardwrap.collectives.PAIRWISE_MIN_BYTES = 1
     while True:
         message = conn.recv()
         if message is None:

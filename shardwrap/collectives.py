@@ -90,6 +90,27 @@ def reduce_scatter(
 PAIRWISE_MIN_BYTES = 64 << 10
 
 
+def all_gather_pieces(
+    rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torch.Tensor], group: dist.ProcessGroup, *, async_op: bool = False
+) -> Work | None:
+    """An all-gather whose shard is this rank's ``pieces`` and whose output is scattered: rank
+    ``r``'s piece ``i`` lands in ``rows[r][i]`` (the same sizes on every rank). Pairwise only: call
+    it when ``uses_pairwise`` holds. Counted as one all-gather of the pieces' elements."""
+    _count("all_gather", sum(p.numel() for p in pieces), sum(p.numel() * p.element_size() for p in pieces))
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [p for p in range(world) if p != me]
+    works = _exchange([(piece, p) for p in peers for piece in pieces], [(dst, p) for p in peers for dst in rows[p]], group)
+    for dst, piece in zip(rows[me], pieces):
+        if dst.data_ptr() != piece.data_ptr():
+            dst.copy_(piece)
+    return _finished_unless(async_op, PairwiseWork(works))
+
+
+def uses_pairwise(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``all_gather``/``reduce_scatter`` of ``tensor`` on ``group`` take the pairwise path."""
+    return _pairwise(group, tensor)
+
+
 def _pairwise(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     """gloo's reduce-scatter and all-gather cost 1.2-2.4x an all-reduce of the same buffer here,
     where a ring's halves should cost 0.5x each; one send and one receive per peer reach it. CPU

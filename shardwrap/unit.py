@@ -168,8 +168,9 @@ class _Gather:
     """An all-gather in flight into the unsharded buffer."""
 
     work: collectives.Work | None
-    output: torch.Tensor
+    output: torch.Tensor  # rank-major (W, S + 1); with ``direct``, only the (W,) tags
     send: torch.Tensor  # must live until the collective completes
+    direct: bool = False  # the data goes straight into the unsharded buffer (pairwise, CPU)
 
 
 @dataclass
@@ -604,9 +605,22 @@ class Unit:
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
-        gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
-        work = collectives.all_gather(gathered, send, self.group, async_op=True)
-        self._gather, self._data = _Gather(work, gathered, send), DataState.GATHERING
+        if collectives.uses_pairwise(self.group, send):
+            # Each peer's chunk of each parameter goes straight to its rows of the unsharded
+            # buffer, the tags to a (W,) tensor: no rank-major buffer, no copy-out
+            # (design/notes/cpu-collectives.md).
+            self._allocate_unsharded()
+            tags = torch.empty(W, dtype=self.param_dtype, device=self.device)
+            pieces = [send.narrow(0, s.shard_offset, s.chunk_numel) for s in layout.slots] + [send.narrow(0, S, 1)]
+            params = [piece.view(W, c) for piece, c in zip(self._padded_unsharded.split(layout.padded_sizes), layout.chunk_sizes)]
+            rows = [[piece[r] for piece in params] + [tags.narrow(0, r, 1)] for r in range(W)]
+            work = collectives.all_gather_pieces(rows, pieces, self.group, async_op=True)
+            self._gather = _Gather(work, tags, send, direct=True)
+        else:
+            gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
+            work = collectives.all_gather(gathered, send, self.group, async_op=True)
+            self._gather = _Gather(work, gathered, send)
+        self._data = DataState.GATHERING
         if not async_op:
             self._finish_gather()
 
@@ -637,13 +651,19 @@ class Unit:
         assert gather is not None
         self._gather = None
         collectives.wait(gather.work, self._where("all-gather"))
-        self._check_tags(gather.output, gather.send)
+        if gather.direct:  # the data is in place; ``output`` holds the tags
+            self._check_tags(gather.output, gather.send, rows=gather.output)
+        else:
+            self._check_tags(gather.output, gather.send)
+            self._allocate_unsharded()
+            with torch.no_grad():
+                self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
+        self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
+
+    def _allocate_unsharded(self) -> None:
         storage = self._padded_unsharded.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.layout.padded_unsharded_numel * self._padded_unsharded.element_size())
-        with torch.no_grad():
-            self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
-        self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
 
     def reshard(self) -> None:
         """Free the unsharded buffer: -> SHARDED, unless the shard lives in the unsharded buffer
@@ -695,13 +715,14 @@ class Unit:
         # tensor) frees the memory and keeps those views valid for the next unshard.
         self._padded_unsharded.untyped_storage().resize_(0)
 
-    def _check_tags(self, gathered: torch.Tensor, send: torch.Tensor) -> None:
+    def _check_tags(self, gathered: torch.Tensor, send: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Raise if ranks gathered different units (their forwards ran different units).
-        CPU only: reading the tags would synchronize the GPU stream on every unshard."""
+        CPU only: reading the tags would synchronize the GPU stream on every unshard. ``rows``:
+        the tags alone, one per rank (the pairwise gather)."""
         if self.device.type != "cpu":
             return
         S = self.layout.shard_numel
-        tags = gathered.view(self.world_size, S + 1)[:, S].tolist()
+        tags = rows.tolist() if rows is not None else gathered.view(self.world_size, S + 1)[:, S].tolist()
         mine = send[S].item()
         if any(t != mine for t in tags):
             names = [self._unit_names[int(t)] if 0 <= int(t) < len(self._unit_names) else f"#{t}" for t in tags]

@@ -106,6 +106,37 @@ def all_gather_pieces(
     return _finished_unless(async_op, PairwiseWork(works))
 
 
+def reduce_scatter_pieces(
+    outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup, *, async_op: bool = False
+) -> Work | None:
+    """A reduce-scatter whose input is cut in pieces: ``sends[r][i]`` is this rank's piece ``i``
+    for rank ``r``, and ``outputs[i]`` receives the sum over ranks of their piece ``i`` for this
+    rank, in rank order (at W=2: the peer's piece received in place, this rank's added). Pairwise
+    only. Counted as one reduce-scatter of ``W`` times the pieces' elements."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    per_rank = sum(p.numel() for p in sends[me])
+    _count("reduce_scatter", world * per_rank, world * sum(p.numel() * p.element_size() for p in sends[me]))
+    peers = [p for p in range(world) if p != me]
+    if world == 2:
+        received: dict[int, list[torch.Tensor]] = {peers[0]: list(outputs)}
+    else:
+        received = {p: [torch.empty_like(o) for o in outputs] for p in peers}
+    works = _exchange([(piece, p) for p in peers for piece in sends[p]], [(dst, p) for p in peers for dst in received[p]], group)
+
+    def finish() -> None:
+        if world == 2:
+            for out, own in zip(outputs, sends[me]):
+                out.add_(own)
+            return
+        for i, out in enumerate(outputs):
+            parts = [sends[me][i] if r == me else received[r][i] for r in range(world)]
+            out.copy_(parts[0])
+            for part in parts[1:]:
+                out.add_(part)
+
+    return _finished_unless(async_op, PairwiseWork(works, finish))
+
+
 def uses_pairwise(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     """Whether ``all_gather``/``reduce_scatter`` of ``tensor`` on ``group`` take the pairwise path."""
     return _pairwise(group, tensor)

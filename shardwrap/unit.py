@@ -829,6 +829,13 @@ class Unit:
         else:
             total = accumulated if grad is None else accumulated.add_(grad)
         layout, W = self.layout, self.world_size
+        if self._reduces_directly(total):  # kept parameter-major: reduce_scatter_grad sends its pieces
+            if self._packed is not None:
+                total = total.add_(self._packed)  # ours: the leaf lets go of its gradient below
+            self._packed, self._grad = total, GradState.PACKED
+            if grad is not None:
+                leaf.grad = None
+            return
         packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.reduce_dtype, device=self.device)
         layout.pack_for_reduce_scatter(total, packed)
         packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
@@ -848,12 +855,37 @@ class Unit:
         W, S = self.world_size, self.layout.grad_shard_numel
         packed, used_here = self._packed, self._packed is not None
         self._packed = None
-        if packed is None:
-            packed = torch.zeros(W * (S + 1), dtype=self.reduce_dtype, device=self.device)
         output = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
-        work = collectives.reduce_scatter(output, packed, self.reduce_group, async_op=True)
+        if self._reduces_directly(output):
+            # Rank r is sent its chunk of each parameter's gradient straight from the
+            # parameter-major sum, and the used-flag; the chunks arrive in this rank's shard
+            # layout (design/notes/cpu-collectives.md).
+            if packed is None:
+                packed = torch.zeros(W * S, dtype=self.reduce_dtype, device=self.device)
+            flag = torch.full((1,), float(used_here), dtype=self.reduce_dtype, device=self.device)
+            n = self.layout.num_trainable
+            slots = self.layout.slots[:n]
+            rows = [piece.view(W, c) for piece, c in zip(packed.split(self.layout.padded_sizes[:n]), self.layout.chunk_sizes[:n])]
+            # A 0-dim parameter's gradient is in row 0; every rank's copy gets the sum of row 0s.
+            sends = [[row[0 if s.replicated else r] for row, s in zip(rows, slots)] + [flag] for r in range(W)]
+            outs = [output.narrow(0, s.shard_offset, s.chunk_numel) for s in slots] + [output.narrow(0, S, 1)]
+            work = collectives.reduce_scatter_pieces(outs, sends, self.reduce_group, async_op=True)
+        else:
+            if packed is None:
+                packed = torch.zeros(W * (S + 1), dtype=self.reduce_dtype, device=self.device)
+            work = collectives.reduce_scatter(output, packed, self.reduce_group, async_op=True)
         self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here)
         self._grad = GradState.IN_FLIGHT
+
+    def _reduces_directly(self, like: torch.Tensor) -> bool:
+        """Whether this unit's reduce-scatter sends per-parameter pieces (the pairwise path) rather
+        than a rank-major packed buffer. The same answer on every rank (dtype, device, sizes and
+        stage only): a rank whose backward never reached the unit must send the same pieces.
+        Stage 1 keeps packing: its persistent gradient buffer is zeroed right after the pack."""
+        if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
+            return False
+        probe = like.new_empty(self.world_size * (self.layout.grad_shard_numel + 1))
+        return collectives.uses_pairwise(self.reduce_group, probe)
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""

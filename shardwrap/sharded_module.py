@@ -437,7 +437,9 @@ class ShardedModule(nn.Module):
 
     The module tree is not rewritten: ``named_parameters()``, ``named_modules()`` and
     ``state_dict()`` use the unwrapped model's names, and attribute access falls through to
-    ``module``.
+    ``module``. ``offload=shardwrap.Offload("cpu" | "disk", path=...)`` keeps the master shards,
+    their gradients and the optimizer state in host memory or mapped files
+    (design/notes/offload.md).
     """
 
     def __init__(

@@ -65,8 +65,9 @@ def all_gather(
     ``output`` becomes ``[1, 2, 3, 4]``. ``output.numel()`` must be ``world_size * shard.numel()``.
     """
     _count_tensor("all_gather", shard)
-    if _pairwise(group, shard):
-        return _finished_unless(async_op, _pairwise_all_gather(output, shard, group))
+    if uses_pairwise(group, shard.device, shard.numel() * shard.element_size()):
+        rows = output.view(dist.get_world_size(group), shard.numel())
+        return _finished_unless(async_op, _gather_pieces([[row] for row in rows], [shard], group))
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -79,8 +80,9 @@ def reduce_scatter(
     rank 0's ``output`` becomes ``[11, 22]`` and rank 1's becomes ``[33, 44]``.
     """
     _count_tensor("reduce_scatter", padded_input)
-    if _pairwise(group, padded_input):
-        return _finished_unless(async_op, _pairwise_reduce_scatter(output, padded_input, group))
+    if uses_pairwise(group, padded_input.device, padded_input.numel() * padded_input.element_size()):
+        chunks = padded_input.view(dist.get_world_size(group), output.numel())
+        return _finished_unless(async_op, _reduce_pieces([output], [[chunk] for chunk in chunks], group))
     return _reduce_scatter_single(output, padded_input, group=group, async_op=async_op)
 
 
@@ -97,13 +99,7 @@ def all_gather_pieces(
     ``r``'s piece ``i`` lands in ``rows[r][i]`` (the same sizes on every rank). Pairwise only: call
     it when ``uses_pairwise`` holds. Counted as one all-gather of the pieces' elements."""
     _count("all_gather", sum(p.numel() for p in pieces), sum(p.numel() * p.element_size() for p in pieces))
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    peers = [p for p in range(world) if p != me]
-    works = _exchange([(piece, p) for p in peers for piece in pieces], [(dst, p) for p in peers for dst in rows[p]], group)
-    for dst, piece in zip(rows[me], pieces):
-        if dst.data_ptr() != piece.data_ptr():
-            dst.copy_(piece)
-    return _finished_unless(async_op, PairwiseWork(works))
+    return _finished_unless(async_op, _gather_pieces(rows, pieces, group))
 
 
 def reduce_scatter_pieces(
@@ -111,11 +107,41 @@ def reduce_scatter_pieces(
 ) -> Work | None:
     """A reduce-scatter whose input is cut in pieces: ``sends[r][i]`` is this rank's piece ``i``
     for rank ``r``, and ``outputs[i]`` receives the sum over ranks of their piece ``i`` for this
-    rank, in rank order (at W=2: the peer's piece received in place, this rank's added). Pairwise
-    only. Counted as one reduce-scatter of ``W`` times the pieces' elements."""
+    rank. Pairwise only. Counted as one reduce-scatter of ``W`` times the pieces' elements."""
+    mine = sends[dist.get_rank(group)]
+    world = dist.get_world_size(group)
+    _count("reduce_scatter", world * sum(p.numel() for p in mine), world * sum(p.numel() * p.element_size() for p in mine))
+    return _finished_unless(async_op, _reduce_pieces(outputs, sends, group))
+
+
+def uses_pairwise(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> bool:
+    """Whether a data collective of ``nbytes`` per rank on ``device`` over ``group`` is pairwise.
+    gloo's reduce-scatter and all-gather cost 1.2-2.4x an all-reduce of the same buffer here,
+    where a ring's halves should cost 0.5x each; one send and one receive per peer reach it. CPU
+    tensors on a gloo group of more than one rank only: NCCL keeps torch's collectives."""
+    return (
+        device.type == "cpu" and nbytes >= max(PAIRWISE_MIN_BYTES, 1)
+        and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    )
+
+
+def _gather_pieces(rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torch.Tensor], group: dist.ProcessGroup) -> "PairwiseWork":
+    """Post every peer's pieces into its rows and copy this rank's own (unless already in place)."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    per_rank = sum(p.numel() for p in sends[me])
-    _count("reduce_scatter", world * per_rank, world * sum(p.numel() * p.element_size() for p in sends[me]))
+    peers = [p for p in range(world) if p != me]
+    works = _exchange([(piece, p) for p in peers for piece in pieces], [(dst, p) for p in peers for dst in rows[p]], group)
+    for dst, piece in zip(rows[me], pieces):
+        if dst.data_ptr() != piece.data_ptr():
+            dst.copy_(piece)
+    return PairwiseWork(works)
+
+
+def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup) -> "PairwiseWork":
+    """Each peer gets its pieces; the sum of every rank's pieces for this rank is taken in rank
+    order when the work is waited on (the same bits on every run). At W=2 the peer's pieces are
+    received straight into ``outputs`` and this rank's are added: ``a + b == b + a`` bit for bit,
+    so the result equals gloo's, with no buffer beyond the output."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(world) if p != me]
     if world == 2:
         received: dict[int, list[torch.Tensor]] = {peers[0]: list(outputs)}
@@ -134,22 +160,7 @@ def reduce_scatter_pieces(
             for part in parts[1:]:
                 out.add_(part)
 
-    return _finished_unless(async_op, PairwiseWork(works, finish))
-
-
-def uses_pairwise(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether ``all_gather``/``reduce_scatter`` of ``tensor`` on ``group`` take the pairwise path."""
-    return _pairwise(group, tensor)
-
-
-def _pairwise(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """gloo's reduce-scatter and all-gather cost 1.2-2.4x an all-reduce of the same buffer here,
-    where a ring's halves should cost 0.5x each; one send and one receive per peer reach it. CPU
-    tensors on a group of more than one rank only: NCCL keeps torch's collectives."""
-    return (
-        tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= max(PAIRWISE_MIN_BYTES, 1)
-        and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
-    )
+    return PairwiseWork(works, finish)
 
 
 class PairwiseWork:
@@ -188,43 +199,6 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
     return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _pairwise_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> PairwiseWork:
-    """Every peer's shard lands in its row of ``output``; this rank's row is a local copy."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    rows = output.view(world, shard.numel())
-    peers = [p for p in range(world) if p != me]
-    works = _exchange([(shard, p) for p in peers], [(rows[p], p) for p in peers], group)
-    rows[me].copy_(shard)
-    return PairwiseWork(works)
-
-
-def _pairwise_reduce_scatter(output: torch.Tensor, padded_input: torch.Tensor, group: dist.ProcessGroup) -> PairwiseWork:
-    """Each peer gets its chunk of ``padded_input``; the sum of the chunks this rank receives and
-    its own is taken in rank order (the same bits on every run; at W=2 the same bits as gloo's,
-    since a sum of two terms does not depend on their order). At W=2 the peer's chunk is received
-    straight into ``output``: no buffer beyond what torch's collective needs."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    chunks = padded_input.view(world, output.numel())
-    peers = [p for p in range(world) if p != me]
-    if world == 2:
-        works = _exchange([(chunks[peers[0]], peers[0])], [(output, peers[0])], group)
-
-        def add_own() -> None:
-            output.add_(chunks[me])
-
-        return PairwiseWork(works, add_own)
-    received = {p: torch.empty_like(output) for p in peers}
-    works = _exchange([(chunks[p], p) for p in peers], [(received[p], p) for p in peers], group)
-
-    def finish() -> None:
-        parts = [chunks[me] if p == me else received[p] for p in range(world)]
-        output.copy_(parts[0])
-        for part in parts[1:]:
-            output.add_(part)
-
-    return PairwiseWork(works, finish)
 
 
 # The first element of every small exchange on the all-gather group says what it is, so that two

@@ -39,6 +39,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -265,15 +266,23 @@ def unit_sizes(shape: Shape) -> tuple[int, int]:
     return sum(counts), max(counts)
 
 
-def _world_size(text: str) -> int:
-    """``--world-size``: a whole number of ranks, at least 1 (argparse names the option on error)."""
-    try:
-        world = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
-    if world < 1:
-        raise argparse.ArgumentTypeError(f"{world} ranks is impossible: give 1 or more")
-    return world
+def _at_least_one(noun: str, too_small: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of ``noun``, at least 1 (argparse names the option on error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {noun}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(too_small.format(value))
+        return value
+
+    return parse
+
+
+_world_size = _at_least_one("ranks", "{} ranks is impossible: give 1 or more")  # --world-size
+_max_unsharded = _at_least_one("units", "{} is impossible: it counts the running unit, so give 1 or more")  # ShardedModule's limit
 
 
 def _param_count(text: str) -> float:
@@ -285,17 +294,6 @@ def _param_count(text: str) -> float:
     if not math.isfinite(count) or count < 1:
         raise argparse.ArgumentTypeError(f"{text} parameters is impossible: give a finite count of 1 or more")
     return count
-
-
-def _max_unsharded(text: str) -> int:
-    """``--max-unsharded``: ShardedModule's limit, a whole number of units, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of units") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is impossible: it counts the running unit, so give 1 or more")
-    return value
 
 
 def _fits_line(est: dict, offloaded: dict, stage: int, world: int, have: int | None) -> tuple[str, bool | None]:

@@ -81,6 +81,9 @@ def disk_bytes(shard_elements: int, element_size: int = 4) -> int:
     return shard_elements * element_size * _STATE_BYTES_PER_ELEMENT // 4
 
 
+DISK_STORES: "weakref.WeakSet[OffloadStore]" = weakref.WeakSet()  # live "disk" stores: the step hooks skip all work without one
+
+
 class OffloadStore:
     """One rank's offloaded tensors: plain (pinned, with an accelerator) host tensors for
     ``"cpu"``; for ``"disk"``, one file per tensor in a directory of the rank's own, each mapped
@@ -93,6 +96,7 @@ class OffloadStore:
         self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
         self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
         if self.kind == "disk":
+            DISK_STORES.add(self)
             self.directory = os.path.join(str(offload.path), f"shardwrap-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}")
             os.makedirs(self.directory)
             with open(os.path.join(self.directory, MARKER), "w") as f:
@@ -109,7 +113,7 @@ class OffloadStore:
         if self.kind != "disk" or numel == 0:
             return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         assert self.directory is not None
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         with open(os.path.join(self.directory, f"{name}.bin"), "w+b") as f:
             f.truncate(nbytes)  # sparse: zeros, no disk blocks until written
             mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

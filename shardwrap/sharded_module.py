@@ -31,7 +31,7 @@ from shardwrap import agreement, collectives
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
-from shardwrap.offload import Offload, OffloadStore, StateOnDisk, check_disk, disk_bytes
+from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
 from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
@@ -333,13 +333,17 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
 
 def _disk_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, Unit, int]]:
     """The optimizer's parameters whose unit keeps its state on disk, with unit and slot index."""
+    if not DISK_STORES:
+        return []
     found = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = _SHARDED_PARAMS.get(p)
             unit = ref() if ref is not None else None
             if unit is not None and unit.store is not None and unit.store.kind == "disk":
-                found.append((p, unit, unit.slot_index(p)))
+                where = unit._root.unit_of(p)
+                assert where is not None
+                found.append((p, unit, where[1]))
     return found
 
 

@@ -371,10 +371,6 @@ class Unit:
 
     # ---- offloaded optimizer state (design/notes/offload.md) -------------------------------------
 
-    def slot_index(self, param: torch.Tensor) -> int:
-        """The position of ``param`` (one of ``sharded_params``) in the unit."""
-        return next(i for i, p in enumerate(self.sharded_params) if p is param)
-
     def state_view(self, i: int, number: int, dtype: torch.dtype) -> DTensor:
         """Parameter ``i``'s part of the unit's ``number``-th optimizer-state file (one file per
         state a parameter has: Adam's ``exp_avg`` is number 0 for every parameter), a DTensor laid
@@ -605,7 +601,7 @@ class Unit:
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
-        if collectives.uses_pairwise(self.group, send):
+        if collectives.uses_pairwise(self.group, send.device, send.numel() * send.element_size()):
             # Each peer's chunk of each parameter goes straight to its rows of the unsharded
             # buffer, the tags to a (W,) tensor: no rank-major buffer, no copy-out
             # (design/notes/cpu-collectives.md).
@@ -829,7 +825,7 @@ class Unit:
         else:
             total = accumulated if grad is None else accumulated.add_(grad)
         layout, W = self.layout, self.world_size
-        if self._reduces_directly(total):  # kept parameter-major: reduce_scatter_grad sends its pieces
+        if self._reduces_directly():  # kept parameter-major: reduce_scatter_grad sends its pieces
             if self._packed is not None:
                 total = total.add_(self._packed)  # ours: the leaf lets go of its gradient below
             self._packed, self._grad = total, GradState.PACKED
@@ -856,7 +852,7 @@ class Unit:
         packed, used_here = self._packed, self._packed is not None
         self._packed = None
         output = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
-        if self._reduces_directly(output):
+        if self._reduces_directly():
             # Rank r is sent its chunk of each parameter's gradient straight from the
             # parameter-major sum, and the used-flag; the chunks arrive in this rank's shard
             # layout (design/notes/cpu-collectives.md).
@@ -877,15 +873,15 @@ class Unit:
         self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here)
         self._grad = GradState.IN_FLIGHT
 
-    def _reduces_directly(self, like: torch.Tensor) -> bool:
+    def _reduces_directly(self) -> bool:
         """Whether this unit's reduce-scatter sends per-parameter pieces (the pairwise path) rather
         than a rank-major packed buffer. The same answer on every rank (dtype, device, sizes and
         stage only): a rank whose backward never reached the unit must send the same pieces.
         Stage 1 keeps packing: its persistent gradient buffer is zeroed right after the pack."""
         if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
             return False
-        probe = like.new_empty(self.world_size * (self.layout.grad_shard_numel + 1))
-        return collectives.uses_pairwise(self.reduce_group, probe)
+        nbytes = self.world_size * (self.layout.grad_shard_numel + 1) * self.reduce_dtype.itemsize
+        return collectives.uses_pairwise(self.reduce_group, self.device, nbytes)
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""

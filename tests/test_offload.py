@@ -47,6 +47,14 @@ def test_composes_with_mixed_precision_and_no_sync(offload):
         check_parity(case, 2)
 
 
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_torch_clip_grad_norm_on_offloaded_parameters(offload):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) (Lightning's gradient_clip_val) on
+    offloaded DTensor gradients: the global norm, as on the unwrapped model."""
+    for optim in ("sgd", "adamw"):
+        check_parity(Case("mlp", policy="Block", optim=optim, stage=3, offload=offload, clip=0.05, clip_api="torch"), 2)
+
+
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(spec=trees, world=st.integers(1, 3), stage=st.sampled_from([1, 2, 3]), optim=st.sampled_from(["sgd", "adamw"]),
        offload=st.sampled_from(["cpu", "disk"]))

@@ -1,6 +1,7 @@
-"""The optimizer step alone: a plain torch optimizer over shardwrap's DTensor parameters against
-the same optimizer over the plain local chunks (the same storage), foreach and fused, and beside
-fully_shard's DTensor parameters, in one run.
+"""The optimizer step alone: a plain torch optimizer over shardwrap's DTensor parameters (which
+steps their local tensors, shardwrap/local_step.py, and with that turned off, the DTensors
+themselves) against the same optimizer over the plain local chunks (the same storage), foreach and
+fused, and beside fully_shard's DTensor parameters, in one run.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/optim_step.py
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import models  # noqa: E402  (tests/models.py: GPT-2 from a config, random weights)
 from common import apply_fully_shard  # noqa: E402
-from shardwrap import ShardedModule  # noqa: E402
+from shardwrap import ShardedModule, local_step  # noqa: E402
 from shardwrap.unit import local_of  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -66,22 +67,27 @@ def fused_ok(params: list[torch.Tensor]) -> bool:
 
 cases = {
     "shardwrap DTensor, AdamW foreach": torch.optim.AdamW(dparams, lr=1e-9, foreach=True),
+    "shardwrap DTensor, AdamW foreach, DTensor dispatch": torch.optim.AdamW(dparams, lr=1e-9, foreach=True),
     "plain local chunks, AdamW foreach": torch.optim.AdamW(plain, lr=1e-9, foreach=True),
     "fully_shard DTensor, AdamW foreach": torch.optim.AdamW(fparams, lr=1e-9, foreach=True),
     "shardwrap DTensor, SGD momentum foreach": torch.optim.SGD(dparams, lr=1e-9, momentum=0.9, foreach=True),
     "plain local chunks, SGD momentum foreach": torch.optim.SGD(plain, lr=1e-9, momentum=0.9, foreach=True),
     "shardwrap DTensor, AdamW for-loop": torch.optim.AdamW(dparams, lr=1e-9, foreach=False),
+    "shardwrap DTensor, AdamW for-loop, DTensor dispatch": torch.optim.AdamW(dparams, lr=1e-9, foreach=False),
     "plain local chunks, AdamW for-loop": torch.optim.AdamW(plain, lr=1e-9, foreach=False),
 }
 if fused_ok(dparams):
     cases["shardwrap DTensor, AdamW fused"] = torch.optim.AdamW(dparams, lr=1e-9, fused=True)
+    cases["shardwrap DTensor, AdamW fused, DTensor dispatch"] = torch.optim.AdamW(dparams, lr=1e-9, fused=True)
 if fused_ok(plain):
     cases["plain local chunks, AdamW fused"] = torch.optim.AdamW(plain, lr=1e-9, fused=True)
 times: dict[str, list[float]] = {name: [] for name in cases}
 for name, opt in cases.items():
+    local_step.ENABLED = not name.endswith("DTensor dispatch")  # the rows that step the DTensors themselves
     opt.step()  # warm-up, state creation
 for _ in range(args.rounds):
     for name, opt in cases.items():
+        local_step.ENABLED = not name.endswith("DTensor dispatch")
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(args.steps):

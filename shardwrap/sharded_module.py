@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwrap import agreement, collectives
+from shardwrap import agreement, collectives, local_step
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
@@ -313,9 +313,10 @@ def _inside_ddp_constructor(depth: int = 12) -> bool:
     return False
 
 
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     """Optimizer step pre-hook: refuse to step parameters that wrapping replaced; disk offload's
-    state placement (``_offload_pre_step``)."""
+    state placement (``_offload_pre_step``); then an elementwise optimizer steps the local tensors
+    (``local_step``; not with disk offload, whose state placement keys on the DTensors)."""
     stale = _STATE_MODES.pop(optimizer, None)  # the last step raised before its post-hook
     if stale is not None:
         stale.__exit__(None, None, None)
@@ -328,7 +329,14 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     f"wrapped the model; it never receives a gradient. Build the optimizer after "
                     f"wrapping, from model.parameters()"
                 )
-    _offload_pre_step(optimizer)
+    if _offload_pre_step(optimizer):
+        return None
+    return local_step.enter(optimizer, _unit_of_param, kwargs, args)
+
+
+def _unit_of_param(p: torch.Tensor) -> Unit | None:
+    ref = _SHARDED_PARAMS.get(p)
+    return ref() if ref is not None else None
 
 
 def _disk_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, Unit, int]]:
@@ -347,12 +355,13 @@ def _disk_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, U
     return found
 
 
-def _offload_pre_step(optimizer: torch.optim.Optimizer) -> None:
+def _offload_pre_step(optimizer: torch.optim.Optimizer) -> bool:
     """Disk offload, before a step: state loaded or made since the last step goes to the files;
-    if some parameter has no state yet, the step creates it in the files (``StateOnDisk``)."""
+    if some parameter has no state yet, the step creates it in the files (``StateOnDisk``).
+    Whether the optimizer holds disk-offloaded parameters."""
     disk = _disk_params(optimizer)
     if not disk:
-        return
+        return False
     _settle_state(optimizer, disk)
     fresh = {id(p): (unit, i) for p, unit, i in disk if not optimizer.state.get(p)}
     if fresh:
@@ -370,6 +379,7 @@ def _offload_pre_step(optimizer: torch.optim.Optimizer) -> None:
         mode = StateOnDisk(place)
         mode.__enter__()
         _STATE_MODES[optimizer] = mode
+    return True
 
 
 def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tensor, Unit, int]]) -> None:
@@ -400,6 +410,8 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     write DTensor parameters without bumping any counter (torch 2.13). Without this, a stage-1
     model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
+    if local_step.leave(optimizer):  # the step ran on the local tensors (never with disk offload)
+        return
     mode = _STATE_MODES.pop(optimizer, None)
     if mode is not None:
         mode.__exit__(None, None, None)
@@ -716,6 +728,7 @@ class ShardedModule(nn.Module):
         """The root unit's forward starts: a new step's forward, unless one is still owed a
         backward (several forwards before one backward). A forward or backward that raised
         before it finished is cleaned up first."""
+        local_step.restore_failed_steps()
         for unit in self._units:
             unit.check_requires_grad()
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):

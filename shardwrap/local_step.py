@@ -1,0 +1,164 @@
+"""The optimizer step on the local shards: torch's elementwise optimizers step plain tensors.
+
+A DTensor parameter costs one DTensor dispatch per operator per parameter in the optimizer's
+per-parameter loop (torch's default on the CPU), about 3x the step on plain tensors. For an
+optimizer whose update is elementwise, the update of a shard is the shard of the update, so the
+step pre-hook hands it each shardwrap parameter's local tensor instead, with the gradient's and the
+state's local tensors, and the post-hook puts the DTensors back. Between steps the optimizer holds
+what the user gave it, and its state is DTensors (design/notes/dtensor-parameters.md, "The step on
+local tensors").
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# torch's optimizers whose update reads each element of a parameter, its gradient and its state
+# alone (and per-parameter scalars). Not Adafactor (row and column statistics), Muon (an
+# orthogonalized matrix), LBFGS (a global line search) or SparseAdam; a subclass may override the
+# math, so the type must match exactly.
+ELEMENTWISE: frozenset[type] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adadelta,
+})
+ENABLED = True  # False: every optimizer steps the DTensors (benchmarks/optim_step.py compares the two)
+# Per-parameter scalars those optimizers keep: never a shard, even for a 0-dim parameter.
+SCALAR_STATE = frozenset({"step", "eta", "mu"})
+
+
+@dataclass
+class _Swap:
+    """One optimizer's step on local tensors: what to put back."""
+
+    groups: list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]  # (param group, its own params list, the swapped one)
+    pairs: list[tuple[DTensor, torch.Tensor, dict[str, Any]]] = field(default_factory=list)  # (param, local, state before)
+    owners: list[Any] = field(default_factory=list)  # the distinct owners of the swapped parameters
+    closure_running: bool = False
+
+
+_SWAPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap]" = weakref.WeakKeyDictionary()
+_HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def enter(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], Any], kwargs: dict[str, Any], args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Step pre-hook part: swap every shardwrap parameter (one whose ``owner_of`` is not None) of
+    an elementwise optimizer for its local tensor. Returns the (args, kwargs) the step should run
+    with when a closure had to be wrapped."""
+    leave(optimizer)  # a step that raised left its swap behind
+    if not ENABLED or type(optimizer) not in ELEMENTWISE:
+        return None
+    owner = {id(p): owner_of(p) for group in optimizer.param_groups for p in group["params"]}
+    if all(o is None for o in owner.values()) or any(
+        isinstance(p, DTensor) and owner[id(p)] is None for group in optimizer.param_groups for p in group["params"]
+    ):
+        return None  # nothing of ours, or DTensors of another kind beside them: the DTensor path
+    if optimizer not in _HOOKED:  # whoever reads or loads the state between steps sees the DTensors
+        optimizer.register_state_dict_pre_hook(_leave_before_state_dict)
+        optimizer.register_load_state_dict_pre_hook(_leave_before_load)
+        _HOOKED.add(optimizer)
+    swap = _Swap(groups=[])
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        own = group["params"]
+        swapped = []
+        for p in own:
+            if owner[id(p)] is None:
+                swapped.append(p)
+                continue
+            local = p._local_tensor.detach()  # a new leaf over the same storage: the update lands in the shard
+            local.grad = _local_grad(p)
+            before = state.pop(p, None) or {}
+            if before:
+                state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in before.items()}
+            swap.pairs.append((p, local, before))
+            swapped.append(local)
+        swap.groups.append((group, own, swapped))
+        group["params"] = swapped
+    swap.owners = list({id(o): o for o in owner.values() if o is not None}.values())
+    _SWAPS[optimizer] = swap
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def local_closure() -> Any:
+        """Forward and backward inside the step run with the DTensor parameters in the groups
+        (a ``zero_grad`` in the closure, as Lightning's, must reach them); their gradients then go
+        to the locals."""
+        swap.closure_running = True
+        for group, own, _ in swap.groups:
+            group["params"] = own
+        try:
+            loss = closure()
+        finally:
+            swap.closure_running = False
+            for group, _, swapped in swap.groups:
+                group["params"] = swapped
+        for p, local, _ in swap.pairs:
+            local.grad = _local_grad(p)
+        return loss
+
+    rest = {k: v for k, v in kwargs.items() if k != "closure"}
+    return (args[0],), {**rest, "closure": local_closure}
+
+
+def leave(optimizer: torch.optim.Optimizer) -> bool:
+    """Step post-hook part (and the repair after a step that raised): the DTensor parameters back
+    in the groups, the state re-keyed to them with the new state as DTensors, and every owner told
+    its shard was written (``mark_written``: writes through the locals bump no DTensor's version
+    counter). A ``zero_grad`` that reached the locals (after a failed step) reaches the parameters
+    too. Whether there was a swap."""
+    swap = _SWAPS.pop(optimizer, None)
+    if swap is None:
+        return False
+    for group, own, _ in swap.groups:
+        group["params"] = own
+    state = optimizer.state
+    for p, local, before in swap.pairs:
+        if local.grad is None and p.grad is not None:
+            p.grad = None
+        local.grad = None
+        now = state.pop(local, None)
+        if not now:
+            if before:
+                state[p] = before
+            continue
+        state[p] = {k: _as_dtensor_like(p, local, k, v, before.get(k)) for k, v in now.items()}
+    for owner in swap.owners:
+        owner.mark_written()
+    return True
+
+
+def _local_grad(p: DTensor) -> torch.Tensor | None:
+    grad = p.grad
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def _leave_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    leave(optimizer)
+
+
+def _leave_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    leave(optimizer)
+
+
+def restore_failed_steps() -> None:
+    """Put back the swap of every optimizer whose step raised (called from the root's first
+    pre-forward, so a new backward never accumulates into gradients the optimizer no longer
+    sees); a closure running inside a step is left alone."""
+    for optimizer, swap in list(_SWAPS.items()):
+        if not swap.closure_running:
+            leave(optimizer)
+
+
+def _as_dtensor_like(p: DTensor, local: torch.Tensor, key: str, value: Any, old: Any) -> Any:
+    if isinstance(old, DTensor) and old._local_tensor is value:
+        return old  # updated in place: the same DTensor
+    if not isinstance(value, torch.Tensor) or key in SCALAR_STATE or value.shape != local.shape:
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

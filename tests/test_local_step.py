@@ -1,0 +1,142 @@
+"""The optimizer step on local tensors (shardwrap/local_step.py).
+
+torch's elementwise optimizers step each shardwrap parameter's local tensor; between steps they
+hold the DTensor parameters and DTensor state. These tests check what that swap could break: a
+closure that runs forward and backward inside ``step`` (Lightning's automatic optimization), a
+step that raises halfway, optimizers that must keep the DTensors (non-elementwise math, subclasses)
+and the state a checkpoint reads. Parity is against the unwrapped model in one process on the
+whole global batch (``parity.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from harness import run_on_ranks
+from parity import Case, assert_close_params, build_model, build_optimizer, expected_chunk, global_batch, loss_fn, resolve_policy
+
+WORLD = 2
+
+
+def case(optim: str, stage: int) -> Case:
+    return Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, steps=4, stage=stage)
+
+
+def train(c: Case, rank: int, world: int, *, sharded: bool, closure: bool = False, fail_at: int | None = None) -> dict:
+    """Train ``c`` (on this rank's chunk when ``sharded``). ``closure``: the loss is computed
+    inside ``opt.step(closure)``. ``fail_at``: that step raises inside the optimizer (after the
+    step pre-hooks), the loop zeroes the gradients and goes on: the step is skipped."""
+    from shardwrap import ShardedModule
+
+    model = build_model(c)
+    if sharded:
+        model = ShardedModule(model, auto_wrap_policy=resolve_policy(c), stage=c.stage)
+    opt = build_optimizer(c, model)
+    seen: list[set[type]] = []
+
+    def record(optimizer, args, kwargs):  # what the step itself sees in the groups
+        seen.append({type(p) for g in optimizer.param_groups for p in g["params"]})
+        if len(seen) - 1 == fail_at:
+            raise RuntimeError("planted failure inside the step")
+
+    opt.register_step_pre_hook(record)
+    for step in range(c.steps):
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(c, step).items()}
+
+        def compute() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(c, model, batch)
+            loss.backward()
+            return loss
+
+        try:
+            if closure:
+                opt.step(compute)
+            else:
+                compute()
+                opt.step()
+        except RuntimeError as exc:
+            assert step == fail_at and "planted" in str(exc), exc
+            opt.zero_grad()
+    params = list(model.parameters())
+    held = [p for g in opt.param_groups for p in g["params"]]
+    out = {
+        "seen": seen,
+        "holds_params": len(held) == len(params) and all(any(h is p for p in params) for h in held),
+        "local": {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()},
+    }
+    if sharded:
+        out["state_is_dtensor"] = all(
+            isinstance(v, DTensor) for p in params for k, v in opt.state[p].items() if k != "step"
+        )
+        out["state_keys"] = sorted(len(opt.state_dict()["state"][i]) for i in range(len(params)))
+    return out
+
+
+def on_ranks(c: Case, closure: bool, fail_at: int | None) -> dict:
+    return train(c, dist.get_rank(), dist.get_world_size(), sharded=True, closure=closure, fail_at=fail_at)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("closure,fail_at", [(False, None), (True, None), (False, 1), (True, 2)])
+def test_local_step_matches_the_unwrapped_model(optim, stage, closure, fail_at):
+    """Plain steps, ``step(closure)`` and a step that raised (then skipped on both sides) all end
+    where the unwrapped model does; the step saw plain tensors, the optimizer holds the model's
+    DTensor parameters and DTensor state afterwards."""
+    c = case(optim, stage)
+    reference = train(c, 0, 1, sharded=False, closure=closure, fail_at=fail_at)
+    results = run_on_ranks(WORLD, on_ranks, c, closure, fail_at)
+    for rank, result in enumerate(results):
+        assert all(types == {torch.Tensor} for types in result["seen"]), result["seen"]
+        assert result["holds_params"], "the optimizer's groups do not hold the model's parameters after the step"
+        assert result["state_is_dtensor"]
+        assert result["state_keys"] == reference_state_keys(optim, len(result["local"]))
+        for name, value in reference["local"].items():
+            assert_close_params(result["local"][name], expected_chunk(value, WORLD, rank), optim, c.steps, f"rank {rank} '{name}'")
+
+
+def reference_state_keys(optim: str, n: int) -> list[int]:
+    return [1 if optim == "sgd" else 3] * n  # momentum_buffer; step, exp_avg, exp_avg_sq
+
+
+class MyAdamW(torch.optim.AdamW):
+    """A subclass may change the math: it keeps the DTensor path."""
+
+
+def on_ranks_types(kind: str) -> list[set[type]]:
+    from shardwrap import ShardedModule
+
+    c = case("sgd", 3)
+    model = ShardedModule(build_model(c), auto_wrap_policy=resolve_policy(c), stage=3)
+    params = list(model.parameters())
+    if kind == "subclass":
+        opt: torch.optim.Optimizer = MyAdamW(params, lr=1e-3)
+    elif kind == "foreign_dtensor":  # a DTensor that is not shardwrap's beside them: no swap
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        extra = torch.nn.Parameter(distribute_tensor(torch.ones(3), model.mesh, [Replicate()]))
+        extra.grad = distribute_tensor(torch.ones(3), model.mesh, [Replicate()])
+        opt = torch.optim.AdamW(params + [extra], lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=kind == "foreach")
+    seen: list[set[type]] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append({type(p) for g in o.param_groups for p in g["params"]}))
+    batch = {k: v.chunk(WORLD)[dist.get_rank()] for k, v in global_batch(c, 0).items()}
+    loss_fn(c, model, batch).backward()
+    opt.step()
+    return seen
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("for_loop", {torch.Tensor}), ("foreach", {torch.Tensor}),
+    ("subclass", {DTensor}), ("foreign_dtensor", {DTensor}),
+])
+def test_which_optimizers_step_local_tensors(kind, expected):
+    """torch's own elementwise optimizers (for-loop and foreach) step plain tensors; a subclass, or
+    a group that also holds a DTensor shardwrap did not make, keeps the DTensor parameters."""
+    for seen in run_on_ranks(WORLD, on_ranks_types, kind):
+        assert seen == [expected], seen

@@ -39,12 +39,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
 from shardwrap.mixed_precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from shardwrap.flat_param import FlatLayout
 
 GiB = 2**30
 
@@ -75,6 +78,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
 
 class Block(nn.Module):
     """One decoder block: the unit the simulation wraps."""
@@ -89,6 +95,19 @@ class Block(nn.Module):
         self.up = nn.Linear(d, s.d_ff, bias)
         self.gate = nn.Linear(d, s.d_ff, bias) if s.llama else None
         self.down = nn.Linear(s.d_ff, d, bias)
+        self.head_dim = 128 if s.llama else 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (tokens, d_model), one causal sequence. Grouped-query attention, then the MLP."""
+        T, hd = x.shape[0], self.head_dim
+        h = self.norm1(x)
+        q, k, v = (lin(h).view(T, lin.out_features // hd, hd).transpose(0, 1) for lin in (self.q, self.k, self.v))
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(0, 1).reshape(T, self.o.in_features))
+        h = self.norm2(x)
+        m = nn.functional.silu(self.gate(h)) * self.up(h) if self.gate is not None else nn.functional.gelu(self.up(h))
+        return x + self.down(m)
 
 
 class Decoder(nn.Module):
@@ -101,6 +120,15 @@ class Decoder(nn.Module):
         self.head = nn.Linear(s.d_model, s.vocab, bias=False)
         if not s.llama:
             self.head.weight = self.embed.weight  # GPT-2 ties its embeddings
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens``: (T,) token ids of one sequence -> (T, vocab) logits."""
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[0], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 def build_on_meta(shape: Shape) -> nn.Module:
@@ -180,23 +208,142 @@ def offload_formula(
     )
 
 
-def simulate(shape: Shape, world: int, precision: str, offload: str = "none", max_unsharded: int = 2) -> dict:
+# ---- hybrid meshes: R replicas x S shards, and the collectives of one step ------------------------
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``--mesh RxS``: R replicas (axis "replicate") of S shards (axis "shard"), R * S ranks."""
+
+    replicas: int
+    shards: int
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.shards
+
+    def __str__(self) -> str:
+        return f"{self.replicas}x{self.shards}"
+
+
+def _mesh(text: str) -> Mesh:
+    """``--mesh``: ``RxS`` with whole numbers R, S >= 1 (``8x512``; ``X`` and ``*`` work too)."""
+    parts = text.lower().replace("*", "x").split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not RxS (R replicas times S shards, whole numbers, e.g. 8x512)")
+    replicas, shards = (int(part) for part in parts)
+    if replicas < 1 or shards < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} has {replicas} replicas and {shards} shards: give 1 or more of each")
+    return Mesh(replicas, shards)
+
+
+# What each collective of one step counts and where it runs: (counter key, mesh axis).
+COLLECTIVES = {
+    "all_gather": "shard", "reduce_scatter": "shard", "headers": "shard", "counts": "shard",
+    "replicate_all_reduce": "replicate",
+}
+
+
+def collectives_formula(
+    shards_per_unit: list[tuple[int, int]] | None, psi: int, mesh: Mesh, precision: str, stage: int = 3,
+    *, first_step: bool = False,
+) -> dict:
+    """The collectives of one training step (forward, backward, optimizer step) on one rank of an
+    R x S mesh, per mesh axis, as ``shardwrap.collectives.count_collectives()`` counts them and as
+    bytes on the wire.
+
+    ``shards_per_unit``: per unit, root first and the unit that ends the forward last, ``(n, g)``:
+    its padded shard elements per rank at S shards (``FlatLayout.shard_numel``) and the trainable
+    prefix of it (``grad_shard_numel``). ``None`` (only Psi known): one ideal unit of Psi / S
+    elements, no padding, no tag, nothing kept between forward and backward. p: bytes per element
+    of the compute dtype (the all-gathers and, as ``MixedPrecision(param_dtype=...)`` sets it, the
+    reduce dtype too).
+
+    - all-gather over "shard": every unit in forward (stages 1-2: the optimizer step changed its
+      shard), and at stage 3 again in backward, except the root (kept from its forward to its
+      backward: it encloses the whole forward) and the unit that ended the previous step's forward
+      (``first_step``: the schedule has no previous step and gathers it again). Each call sends
+      the shard and its tag: n + 1 elements (the counter), and each rank receives the other
+      S - 1 ranks' (ring): (S - 1)(n + 1) p bytes. Summed: Psi (S - 1) / S elements per pass
+      without padding and tags.
+    - reduce-scatter over "shard": each unit with trainable parameters once, input S (g + 1)
+      (the gradient, rank-major, and a used-flag per rank: the counter), on the wire
+      (S - 1)(g + 1) p bytes sent per rank (ring).
+    - gradient all-reduce over "replicate" (R > 1): each trainable unit's padded gradient shard, g
+      elements (the counter), ring 2 (R - 1) / R g p bytes sent per rank; Psi / S and
+      2 Psi (R - 1) / (R S) summed, without padding.
+    - the small exchanges on CPU groups (int64): "headers", 2 elements before every data
+      all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
+      (design/notes/rank-agreement.md, collective-schedule.md).
+    """
+    R, S = mesh.replicas, mesh.shards
+    p = _compute_bytes(precision)
+    ideal = shards_per_unit is None
+    units = [(psi / S, psi / S)] if shards_per_unit is None else shards_per_unit
+    tag = 0 if ideal else 1
+    U = len(units)
+    kept = set() if ideal else {0} | (set() if first_step else {U - 1})  # the root, the unit that ended the forward
+    backward = [u for i, u in enumerate(units) if stage == 3 and i not in kept]
+    trainable = [g for _, g in units if g > 0]
+    gathers = list(units) + backward
+
+    def row(calls: int, elements: float, element_bytes: int, wire_elements: float) -> dict:
+        return {"calls": calls, "elements": elements, "bytes": elements * element_bytes,
+                "wire_bytes": wire_elements * element_bytes}
+
+    shard_axis = {
+        "all_gather": {**row(len(gathers), sum(n + tag for n, _ in gathers), p, (S - 1) * sum(n + tag for n, _ in gathers)),
+                       "forward_calls": U, "backward_calls": len(backward)},
+        "reduce_scatter": row(len(trainable), S * sum(g + tag for g in trainable), p, (S - 1) * sum(g + tag for g in trainable)),
+    }
+    if not ideal and S > 1:  # CPU process groups only (the simulation's)
+        shard_axis["headers"] = row(len(gathers), 2 * len(gathers), 8, 2 * (S - 1) * len(gathers))
+        shard_axis["counts"] = row(U, 2 * U, 8, 2 * (S - 1) * U)
+    replicate_axis = {}
+    if R > 1:
+        replicate_axis["replicate_all_reduce"] = row(len(trainable), sum(trainable), p, 2 * (R - 1) / R * sum(trainable))
+    counter: dict[str, float] = {}
+    for axis in (shard_axis, replicate_axis):
+        for kind, r in axis.items():
+            counter[kind], counter[kind + "_calls"] = r["elements"], r["calls"]
+    counter["bytes"] = sum(r["bytes"] for axis in (shard_axis, replicate_axis) for r in axis.values())
+    return {"shard": shard_axis, "replicate": replicate_axis, "counter": counter,
+            "wire_bytes": {"shard": sum(r["wire_bytes"] for r in shard_axis.values()),
+                           "replicate": sum(r["wire_bytes"] for r in replicate_axis.values())},
+            "stage": stage, "first_step": first_step, "ideal": ideal}
+
+
+def simulate(shape: Shape, world: int, precision: str, offload: str = "none", max_unsharded: int = 2,
+             mesh: Mesh | None = None, tokens: int = 0) -> dict:
     """Wrap ``shape`` on the meta device under a fake process group of ``world`` ranks; rank 0's
     real shard sizes. With ``offload`` "cpu" or "disk" the wrap gets ``Offload("cpu")`` (the disk
     store would write every master shard to files; the layout is the same) and ``offload`` holds
     ``_offload_rows`` from the units' padded layouts (disk: the master shard files with their tags
-    and AdamW's two state files, one shard each)."""
+    and AdamW's two state files, one shard each).
+
+    With ``mesh`` (R x S, ``world`` = R * S) the wrap gets ``init_device_mesh("cpu", (R, S),
+    mesh_dim_names=("replicate", "shard"))`` and the shard sizes are those at S; then rank 0 runs
+    two real training steps (``step``) and ``out["step"]`` holds what the second counted."""
     from shardwrap import Offload, ShardedModule, collectives
     from shardwrap.unit import local_of
 
     collectives.init_fake_world(world)
     t0 = time.perf_counter()
+    device_mesh = None
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert mesh.world == world
+        device_mesh = init_device_mesh("cpu", (mesh.replicas, mesh.shards), mesh_dim_names=("replicate", "shard"))
     mp = MixedPrecision(param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
     model = ShardedModule(
         build_on_meta(shape), auto_wrap_policy={Block}, mixed_precision=mp, param_init_fn=lambda m: None,
         max_unsharded=max_unsharded, offload=Offload("cpu") if offload != "none" else None,
+        **({"mesh": device_mesh} if device_mesh is not None else {}),
     )
     seconds = time.perf_counter() - t0
+    shards = mesh.shards if mesh is not None else world
     psi = sum(s.dim0 * s.inner for h in model.units for s in h.layout.slots)
     shard_elems = sum(h.layout.shard_numel for h in model.units)
     local_elems = sum(local_of(p).numel() for p in model.parameters())
@@ -205,7 +352,7 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
         "units": len(model.units),
         "shard_bytes": 4 * shard_elems,
         "local_param_bytes": 4 * local_elems,
-        "padding_elements_per_rank": shard_elems - psi / world,
+        "padding_elements_per_rank": shard_elems - psi / shards,
         "largest_unit": max(h.layout.padded_unsharded_numel for h in model.units),
         "wrap_seconds": seconds,
     }
@@ -222,7 +369,52 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
             grad_shards=4 * sum(la.grad_shard_numel for la in layouts),
             optim=8 * shard_elems,
         )
+    if mesh is not None:
+        out["shards_per_unit"] = [(h.layout.shard_numel, h.layout.grad_shard_numel) for h in model.units]
+        out["padding_per_unit"] = [h.layout.shard_numel - sum(s.dim0 * s.inner for s in h.layout.slots) / shards
+                                   for h in model.units]
+        out["step"] = step(model, shape, tokens)
     return out
+
+
+def step(model: nn.Module, shape: Shape, tokens: int = 0) -> dict:
+    """Two real training steps of the wrapped ``model`` on this rank (AdamW, a sequence of
+    ``tokens`` tokens): forward, cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``.
+
+    Under the fake process group every collective is issued and counted as on a real run and moves
+    nothing (its all-gather hands every rank this rank's shard), so the numbers are garbage and the
+    schedule, the collectives, the buffers and the shards are the real ones. By default the
+    sequence is empty (0 tokens): forward and backward still run through every unit, every hook
+    fires and autograd gives every parameter a (zero) gradient, so the collectives are those of a
+    step on any batch (they do not depend on the data), without the arithmetic: a bf16 weight
+    gradient of one token takes this CPU ~20 ms per million parameters (two minutes for Llama-7B).
+
+    The first step is counted apart: the schedule learns from it which unit ends the forward and
+    keeps that unit gathered for backward from the second step on. The model state
+    (``memory.model_state_bytes``) is read after the second step's ``opt.step()``, before
+    ``zero_grad``."""
+    import resource
+
+    from shardwrap import collectives
+    from shardwrap.memory import model_state_bytes
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.zeros(tokens, dtype=torch.long)
+    counted, seconds = [], []
+    state: dict[str, int] = {}
+    for i in range(2):
+        t0 = time.perf_counter()
+        with collectives.count_collectives() as counts:
+            logits = model(ids)
+            nn.functional.cross_entropy(logits.float(), ids, reduction="sum").backward()
+            opt.step()
+        if i == 1:
+            state = model_state_bytes(model, opt)
+        opt.zero_grad()
+        seconds.append(time.perf_counter() - t0)
+        counted.append(dict(counts))
+    return {"first_counter": counted[0], "counter": counted[1], "seconds": seconds, "tokens": tokens,
+            "model_state": state, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def simulated_memory(shape: Shape, world: int, precision: str) -> tuple[int, int]:
@@ -231,16 +423,34 @@ def simulated_memory(shape: Shape, world: int, precision: str) -> tuple[int, int
     in the compute dtype and never written, but each one allocation the OS must grant). Padding
     rounds each parameter's dim 0 up to a multiple of the world size, so beyond the rows of a
     parameter the buffers grow with W."""
+    layouts = unit_layouts(shape, world)
+    compute_bytes = 2 if precision in ("bf16", "fp16") else 4
+    return 4 * sum(la.shard_numel for la in layouts), compute_bytes * max(la.padded_unsharded_numel for la in layouts)
+
+
+def unit_layouts(shape: Shape, shards: int) -> list[FlatLayout]:
+    """The flat layout of each unit the simulation wraps, sharded over ``shards`` ranks: the root
+    (embeddings, final norm, head) first, then every block, as ``ShardedModule`` orders them."""
     from shardwrap.flat_param import FlatLayout
 
     model = build_on_meta(shape)
     blocks = list(getattr(model, "blocks"))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    groups = [list(b.named_parameters()) for b in blocks]
-    groups.append([(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks])  # the root
-    layouts = [FlatLayout([n for n, _ in g], [p for _, p in g], world) for g in groups]
-    compute_bytes = 2 if precision in ("bf16", "fp16") else 4
-    return 4 * sum(la.shard_numel for la in layouts), compute_bytes * max(la.padded_unsharded_numel for la in layouts)
+    groups = [[(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]]  # the root
+    groups += [list(b.named_parameters()) for b in blocks]
+    return [FlatLayout([n for n, _ in g], [p for _, p in g], shards) for g in groups]
+
+
+def step_memory(shape: Shape, shards: int, precision: str, max_unsharded: int = 2) -> int:
+    """About what ``simulate``'s training step needs at S = ``shards``: rank 0's fp32 shards,
+    gradient shards and AdamW state (16 bytes a shard element), and, in the compute dtype, the
+    ``max_unsharded + 1`` largest padded units gathered at once (the root stays gathered through
+    the forward) with their unsharded gradients, and the buffers of one gather and one
+    reduce-scatter (the rank-major copies) and of autograd's per-parameter gradients."""
+    layouts = unit_layouts(shape, shards)
+    p = _compute_bytes(precision)
+    by_size = sorted((la.padded_unsharded_numel for la in layouts), reverse=True)
+    return 16 * sum(la.shard_numel for la in layouts) + p * (2 * sum(by_size[: max_unsharded + 1]) + 3 * by_size[0])
 
 
 def _memory_bytes() -> int | None:
@@ -321,7 +531,12 @@ def main(argv: list[str] | None = None) -> dict:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_param_count, help="parameter count (no unit sizes: largest unit reported as 0)")
     src.add_argument("--model", choices=sorted(SHAPES))
-    ap.add_argument("--world-size", type=_world_size, required=True, help="number of ranks, 1 or more")
+    ap.add_argument("--world-size", type=_world_size, help="number of ranks, 1 or more (or give --mesh)")
+    ap.add_argument("--mesh", type=_mesh, metavar="RxS",
+                    help="a hybrid mesh: R replicas of S shards (e.g. 8x512; R * S ranks, as "
+                         "init_device_mesh(..., (R, S), mesh_dim_names=('replicate', 'shard'))). Per-rank memory "
+                         "is the formula at S; adds the collectives of one step per mesh axis, and with --simulate "
+                         "runs two training steps on the fake process group and counts them")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="marked in the table")
     ap.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="none")
     ap.add_argument("--offload", choices=OFFLOAD_KINDS, default="none",
@@ -332,18 +547,38 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--simulate", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args(argv)
+    mesh: Mesh | None = args.mesh
+    if mesh is None and args.world_size is None:
+        ap.error("give --world-size N (a 1-D mesh of N ranks) or --mesh RxS (R replicas of S shards)")
+    if mesh is not None and args.world_size is not None and args.world_size != mesh.world:
+        ap.error(f"argument --mesh: {mesh} is {mesh.world} ranks but --world-size is {args.world_size}: "
+                 f"give --mesh alone, or a --world-size equal to R * S")
+    if mesh is not None:
+        args.world_size = mesh.world
+    shards = args.shards = mesh.shards if mesh is not None else args.world_size  # what each parameter is split over
 
     if args.model:
         counts = unit_param_counts(SHAPES[args.model])
         psi, unit = sum(counts), max(counts)
     else:
         psi, unit, counts = int(args.params), 0, []
-    est = formula(psi, unit, args.world_size, args.mixed_precision, args.max_unsharded)
+    est = formula(psi, unit, shards, args.mixed_precision, args.max_unsharded)
     result: dict = {"psi": psi, "largest_unit_params": unit, "world_size": args.world_size, "formula": est,
                     "offload": args.offload, "max_unsharded": args.max_unsharded}
+    if mesh is not None:
+        result["mesh"] = {"replicas": mesh.replicas, "shards": mesh.shards}
+        per_unit = None
+        if args.model:
+            layouts = unit_layouts(SHAPES[args.model], mesh.shards)
+            per_unit = [(la.shard_numel, la.grad_shard_numel) for la in layouts]
+            result["padding_elements_per_rank"] = sum(la.shard_numel for la in layouts) - psi / mesh.shards
+        result["collectives_formula"] = {
+            stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage) for stage in (1, 2, 3)}
+        result["collectives_formula_first_step"] = collectives_formula(
+            per_unit, psi, mesh, args.mixed_precision, 3, first_step=True)
     offloaded: dict = {}
     if args.offload != "none":
-        offloaded = offload_formula(psi, counts, args.world_size, args.mixed_precision, args.offload,
+        offloaded = offload_formula(psi, counts, shards, args.mixed_precision, args.offload,
                                     args.max_unsharded)
         result["offload_formula"] = offloaded
     fits_line = ""
@@ -355,24 +590,35 @@ def main(argv: list[str] | None = None) -> dict:
     if args.simulate:
         if not args.model:
             ap.error("--simulate needs --model (a shape to build)")
-        shards, largest = simulated_memory(SHAPES[args.model], args.world_size, args.mixed_precision)
+        shard_bytes, largest = simulated_memory(SHAPES[args.model], shards, args.mixed_precision)
         have = _memory_bytes()
-        if have is not None and max(shards, largest) > have:
-            what = (f"{shards / GiB:.1f} GiB of fp32 shards on rank 0" if shards > have else
+        size = f"--mesh {mesh}" if mesh is not None else f"--world-size {args.world_size}"
+        if have is not None and max(shard_bytes, largest) > have:
+            what = (f"{shard_bytes / GiB:.1f} GiB of fp32 shards on rank 0" if shard_bytes > have else
                     f"a padded unsharded unit of {largest / GiB:.1f} GiB (padding grows with the world size)")
-            ap.error(f"--model {args.model} --world-size {args.world_size} with --simulate: the simulated wrap would "
+            ap.error(f"--model {args.model} {size} with --simulate: the simulated wrap would "
                      f"allocate {what}, more than this machine's {have / GiB:.1f} GiB; simulate another world size, "
                      f"or drop --simulate (the formula needs no memory)")
+        if mesh is not None and have is not None and (need := step_memory(SHAPES[args.model], shards, args.mixed_precision,
+                                                                          args.max_unsharded)) > have:
+            ap.error(f"--model {args.model} {size} with --simulate: the simulated training step needs about "
+                     f"{need / GiB:.1f} GiB (rank 0's shards, gradients and AdamW state, and the units gathered at "
+                     f"once), more than this machine's {have / GiB:.1f} GiB; simulate a larger S, or drop --simulate")
         result["simulated"] = simulate(SHAPES[args.model], args.world_size, args.mixed_precision, args.offload,
-                                       args.max_unsharded)
+                                       args.max_unsharded, mesh=mesh)
     if args.json:
         print(json.dumps(result))
         return result
     name = args.model or f"{psi / 1e9:.2f}B params"
     if args.offload != "none":
         _print_offload(args, name, psi, unit, est, offloaded, result.get("simulated"), fits_line)
+        if mesh is not None:
+            _print_collectives(args, mesh, result)
         return result
-    print(f"{name}: Psi = {psi / 1e9:.3f}B, largest unit {unit / 1e6:.1f}M params, W = {args.world_size}, "
+    ranks = f"W = {args.world_size}" if mesh is None else (
+        f"mesh {mesh} (R = {mesh.replicas} replicas of S = {mesh.shards} shards, W = {mesh.world}; per rank: the "
+        f"formula at S)")
+    print(f"{name}: Psi = {psi / 1e9:.3f}B, largest unit {unit / 1e6:.1f}M params, {ranks}, "
           f"mixed precision {args.mixed_precision}, AdamW, GiB per rank\n")
     print("| stage | parameters | gradients | optimizer state | largest unsharded unit | total at peak |")
     print("|---|---|---|---|---|---|")
@@ -382,19 +628,76 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['largest_unit'] / GiB:.3f} | {row['total'] / GiB:.3f} |")
     if args.simulate:
         sim = result["simulated"]
-        print(f"\nsimulated with ShardedModule on a fake process group of {args.world_size} ranks in "
+        on = f"a {mesh} mesh of" if mesh is not None else "a fake process group of"
+        print(f"\nsimulated with ShardedModule on {on} {args.world_size} ranks (torch's fake process group) in "
               f"{sim['wrap_seconds']:.1f}s: {sim['units']} units, fp32 shard {sim['shard_bytes'] / GiB:.4f} GiB "
-              f"per rank (formula {4 * psi / args.world_size / GiB:.4f}), padding "
+              f"per rank (formula {4 * psi / shards / GiB:.4f}), padding "
               f"{sim['padding_elements_per_rank']:,.0f} elements per rank, largest unit "
               f"{sim['largest_unit'] / 1e6:.1f}M elements padded")
+    if mesh is not None:
+        _print_collectives(args, mesh, result)
     return result
+
+
+_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "headers": "headers (int64)",
+          "counts": "counts (int64)", "replicate_all_reduce": "gradient all-reduce"}
+
+
+def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> None:
+    """The collectives of one step per mesh axis: the formula, and with --simulate the counter."""
+    stage = args.stage
+    f = result["collectives_formula"][stage]
+    sim = result.get("simulated")
+    counted = sim["step"]["counter"] if sim is not None else None
+    sim_f = result["collectives_formula"][3]  # the simulated wrap is stage 3, as ShardedModule's default
+    ideal = " (ideal: --params has no units, so no padding, no tags, no unit kept for backward)" if f["ideal"] else ""
+    print(f"\ncollectives of one stage-{stage} training step, per rank{ideal}: counter = input elements per rank "
+          f"as shardwrap.collectives.count_collectives() counts them (an all-gather its shard and tag, a reduce-scatter "
+          f"its whole input); wire = GiB each rank receives (all-gather) or sends (reduce-scatter, all-reduce) with "
+          f"ring algorithms")
+    cols = ["axis", "collective", "calls", "counter elements", "counter GiB", "wire GiB"]
+    if counted is not None:
+        cols.append("simulated counter (stage 3)")
+    print("| " + " | ".join(cols) + " |")
+    print("|---" * len(cols) + "|")
+    for axis, size in (("shard", mesh.shards), ("replicate", mesh.replicas)):
+        for kind, r in f[axis].items():
+            what = _NAMES[kind]
+            if kind == "all_gather":
+                what += f" ({r['forward_calls']} forward + {r['backward_calls']} backward)"
+            cells = [f"{axis} ({size} ranks)", what, f"{r['calls']:,}", f"{r['elements']:,.0f}",
+                     f"{r['bytes'] / GiB:.3f}", f"{r['wire_bytes'] / GiB:.3f}"]
+            if counted is not None:
+                got, want = counted.get(kind, 0), sim_f["counter"].get(kind, 0)
+                calls = counted.get(kind + "_calls", 0)
+                cells.append(f"{got:,.0f} in {calls:,} calls " + ("= formula" if got == want and
+                             calls == sim_f["counter"].get(kind + "_calls", 0) else f"!= formula {want:,.0f}"))
+            print("| " + " | ".join(cells) + " |")
+    print(f"wire per rank: {f['wire_bytes']['shard'] / GiB:.3f} GiB over 'shard', "
+          f"{f['wire_bytes']['replicate'] / GiB:.3f} GiB over 'replicate'")
+    if sim is not None:
+        st = sim["step"]
+        ms = st["model_state"]
+        rest = {k: v for k, v in st["counter"].items() if k.removesuffix("_calls") not in COLLECTIVES and k != "bytes"}
+        print(f"simulated: two training steps of {st['tokens']} token (AdamW) on rank 0 of the fake {mesh} mesh, "
+              f"{st['seconds'][0]:.1f}s and {st['seconds'][1]:.1f}s; the second counted (the first gathers "
+              f"{st['first_counter'].get('all_gather_calls', 0) - st['counter'].get('all_gather_calls', 0)} unit more "
+              f"in backward: the schedule learns from it which unit ends the forward); counter bytes "
+              f"{st['counter'].get('bytes', 0) / GiB:.3f} GiB (formula {sim_f['counter']['bytes'] / GiB:.3f})"
+              + (f"; other collectives counted: {rest}" if rest else ""))
+        print(f"simulated model state after the step, rank 0: params {ms['params'] / GiB:.3f} + grads "
+              f"{ms['grads'] / GiB:.3f} + AdamW {ms['optim'] / GiB:.3f} GiB (formula at S, stage 3: "
+              f"{result['formula'][3]['params'] / GiB:.3f} + {result['formula'][3]['grads'] / GiB:.3f} + "
+              f"{result['formula'][3]['optim'] / GiB:.3f}, without padding); peak RSS of the simulation "
+              f"{st['peak_rss_bytes'] / GiB:.1f} GiB")
 
 
 def _print_offload(args: argparse.Namespace, name: str, psi: int, unit: int, est: dict, offloaded: dict,
                    sim: dict | None, fits_line: str) -> None:
     """The tables for ``--offload cpu|disk``."""
     kind, world = args.offload, args.world_size
-    print(f"{name}: Psi = {psi / 1e9:.3f}B, largest unit {unit / 1e6:.1f}M params, W = {world}, "
+    ranks = f"W = {world}" if args.mesh is None else f"mesh {args.mesh} (W = {world}; per rank: the formula at S)"
+    print(f"{name}: Psi = {psi / 1e9:.3f}B, largest unit {unit / 1e6:.1f}M params, {ranks}, "
           f"mixed precision {args.mixed_precision}, AdamW, offload {kind}, max_unsharded {args.max_unsharded}, "
           f"GiB per rank\n")
     held = "every unit's unsharded params at stages 1-2 and unsharded grads at stage 1" + (
@@ -432,7 +735,7 @@ def _print_offload(args: argparse.Namespace, name: str, psi: int, unit: int, est
     if sim is not None:
         print(f"\nsimulated with ShardedModule(offload=Offload('cpu')) on a fake process group of {world} ranks in "
               f"{sim['wrap_seconds']:.1f}s: {sim['units']} units, fp32 shard {sim['shard_bytes'] / GiB:.4f} GiB "
-              f"per rank (formula {4 * psi / world / GiB:.4f}), padding {sim['padding_elements_per_rank']:,.0f} "
+              f"per rank (formula {4 * psi / args.shards / GiB:.4f}), padding {sim['padding_elements_per_rank']:,.0f} "
               f"elements per rank; rank 0's padded units and shards"
               + (" (disk from the simulated shard sizes; no files written):" if kind == "disk" else ":") + "\n")
         table(sim["offload"], None)

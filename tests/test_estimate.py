@@ -211,3 +211,156 @@ def test_max_unsharded_below_one_is_a_usage_error(capsys):
         est.main(["--params", "1e9", "--world-size", "2", "--offload", "cpu", "--max-unsharded", "0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "argument --max-unsharded:" in err and "Traceback" not in err, err
+
+
+# ---- --mesh RxS: hybrid meshes and the collectives of one step --------------------------------
+
+
+def _padded_shards(shape_name: str, shards: int) -> list[tuple[int, int]]:
+    """Per unit (root first, then the blocks), its padded shard elements per rank at ``shards``,
+    written out from the parameter shapes: every parameter's dim 0 rounded up to a multiple of
+    S, divided by S, times the elements of a row (all parameters train)."""
+    from shardwrap import estimate as est
+
+    model = est.build_on_meta(est.SHAPES[shape_name])
+    blocks = list(model.blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+
+    def padded(params) -> int:
+        return sum(-(-(p.shape[0] if p.dim() else 1) // shards) * (p[0].numel() if p.dim() else 1) for p in params)
+
+    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
+    return [(root, root)] + [(padded(b.parameters()),) * 2 for b in blocks]
+
+
+def test_collectives_formula_at_a_hand_checkable_size():
+    """Three units with padded shards of 10, 6 and 6 elements (the last with 4 trainable), R = 4
+    replicas of S = 8 shards, fp32 (4 bytes), stage 3, per rank:
+
+    - all-gathers: forward all three (11 + 7 + 7 = 25 elements with the tags); backward only the
+      middle unit (the root and the unit that ended the forward stay gathered): 7; 32 in 4 calls,
+      wire 7 * 32 * 4 bytes received;
+    - reduce-scatters: 8 * (11 + 7 + 5) = 184 elements in 3 calls, wire 7 * 23 * 4 bytes sent;
+    - all-reduce over replicate: 10 + 6 + 4 = 20 elements, wire 2 * 3/4 * 20 * 4 = 120 bytes;
+    - headers 2 elements per gather, counts 2 per unit in backward.
+    """
+    from shardwrap import estimate as est
+
+    units, mesh = [(10, 10), (6, 6), (6, 4)], est.Mesh(4, 8)
+    f = est.collectives_formula(units, 22, mesh, "none", 3)
+    ag, rs, ar = f["shard"]["all_gather"], f["shard"]["reduce_scatter"], f["replicate"]["replicate_all_reduce"]
+    assert (ag["calls"], ag["forward_calls"], ag["backward_calls"], ag["elements"]) == (4, 3, 1, 32)
+    assert ag["bytes"] == 4 * 32 and ag["wire_bytes"] == 7 * 32 * 4
+    assert (rs["calls"], rs["elements"], rs["wire_bytes"]) == (3, 184, 7 * 23 * 4)
+    assert (ar["calls"], ar["elements"], ar["wire_bytes"]) == (3, 20, 120)
+    assert f["counter"] == {"all_gather": 32, "all_gather_calls": 4, "reduce_scatter": 184, "reduce_scatter_calls": 3,
+                            "headers": 8, "headers_calls": 4, "counts": 6, "counts_calls": 3,
+                            "replicate_all_reduce": 20, "replicate_all_reduce_calls": 3,
+                            "bytes": 4 * (32 + 184 + 20) + 8 * (8 + 6)}
+    first = est.collectives_formula(units, 22, mesh, "none", 3, first_step=True)["shard"]["all_gather"]
+    assert (first["calls"], first["elements"]) == (5, 39)  # the last unit is gathered again
+    for stage in (1, 2):  # no gathers in backward
+        assert est.collectives_formula(units, 22, mesh, "none", stage)["shard"]["all_gather"]["elements"] == 25
+    bf16 = est.collectives_formula(units, 22, mesh, "bf16", 3)
+    assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 60
+    assert est.collectives_formula(units, 22, est.Mesh(1, 8), "none", 3)["replicate"] == {}  # R = 1: nothing to reduce
+
+
+@pytest.mark.parametrize("model,mesh", [("llama-7b", "8x512"), ("llama-70b", "16x256")])
+def test_mesh_formula_is_the_ideal_one_plus_padding_and_tags(model, mesh, capsys):
+    """Per rank at R x S: memory is the 1-D formula at S; one gather pass is Psi / S elements plus
+    the padding and a tag per unit; the replicate all-reduce moves 2 Psi (R - 1) / (R S)
+    elements plus padding (ring)."""
+    from shardwrap import estimate as est
+
+    R, S = (int(x) for x in mesh.split("x"))
+    r = est.main(["--model", model, "--mesh", mesh, "--mixed-precision", "bf16", "--json"])
+    capsys.readouterr()
+    psi, pad, U = r["psi"], r["padding_elements_per_rank"], {"llama-7b": 33, "llama-70b": 81}[model]
+    assert r["world_size"] == R * S and r["mesh"] == {"replicas": R, "shards": S}
+    one_d = est.main(["--model", model, "--world-size", str(S), "--mixed-precision", "bf16", "--json"])
+    capsys.readouterr()
+    assert r["formula"] == one_d["formula"]
+    assert pad == sum(n for n, _ in _padded_shards(model, S)) - psi / S
+    f = r["collectives_formula"][3]
+    ag, ar = f["shard"]["all_gather"], f["replicate"]["replicate_all_reduce"]
+    assert (ag["forward_calls"], ag["backward_calls"]) == (U, U - 2)
+    forward_pass = psi / S + pad + U
+    root = _padded_shards(model, S)[0][0]
+    last = _padded_shards(model, S)[-1][0]
+    assert ag["elements"] == pytest.approx(forward_pass + forward_pass - (root + 1) - (last + 1))
+    assert ag["wire_bytes"] == pytest.approx(2 * (S - 1) * ag["elements"])
+    assert ar["elements"] == pytest.approx(psi / S + pad)
+    assert ar["wire_bytes"] == pytest.approx(2 * 2 * (R - 1) / (R * S) * (psi + S * pad))
+
+
+@pytest.mark.parametrize("mesh", ["8x128", "16x256"])  # W = 1,024 and 4,096
+def test_simulated_hybrid_step_matches_the_formula_exactly(mesh):
+    """A real wrap on a fake R x S mesh and two real training steps: rank 0's shards are the
+    padded sizes at S, and the collectives counted per axis equal the formula to the element."""
+    R, S = (int(x) for x in mesh.split("x"))
+    r = estimate("--model", "gpt2", "--mesh", mesh, "--mixed-precision", "bf16", "--simulate")
+    sim, psi = r["simulated"], r["psi"]
+    padded = _padded_shards("gpt2", S)
+    assert sim["psi"] == psi and sim["units"] == 13
+    assert [tuple(u) for u in sim["shards_per_unit"]] == padded
+    assert sim["shard_bytes"] == 4 * sum(n for n, _ in padded)
+    assert sim["padding_elements_per_rank"] == pytest.approx(r["padding_elements_per_rank"])
+    assert sim["padding_elements_per_rank"] == pytest.approx(sum(n for n, _ in padded) - psi / S)
+    assert sim["padding_elements_per_rank"] > 0  # the vocabulary's 50257 rows
+    step = sim["step"]
+    want = r["collectives_formula"]["3"]["counter"]
+    assert step["counter"] == want, (step["counter"], want)
+    assert step["first_counter"] == r["collectives_formula_first_step"]["counter"]
+    assert want["replicate_all_reduce"] == sum(g for _, g in padded)
+    assert want["all_gather"] == 2 * sum(n + 1 for n, _ in padded) - (padded[0][0] + 1) - (padded[-1][0] + 1)
+    assert want["reduce_scatter"] == S * sum(g + 1 for _, g in padded)
+    # after the step: fp32 master shards, gradient shards and AdamW state of rank 0
+    state, shard = step["model_state"], sim["shard_bytes"]
+    assert shard <= state["params"] <= shard + 4 * sim["units"]  # and each unit's tag
+    assert state["grads"] <= shard + 4 * sim["units"] and state["optim"] <= 2 * shard
+    assert state["optim"] >= 2 * sim["local_param_bytes"]
+
+
+def test_the_one_d_path_is_unchanged(capsys):
+    from shardwrap import estimate as est
+
+    r = est.main(["--model", "gpt2", "--world-size", "8", "--json"])
+    out = capsys.readouterr().out
+    assert "mesh" not in r and "collectives_formula" not in r and set(json.loads(out)) == set(r)
+    est.main(["--model", "gpt2", "--world-size", "8"])
+    assert "collectives" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--mesh", "8x"], "is not RxS"),
+    (["--mesh", "x512"], "is not RxS"),
+    (["--mesh", "8x512x2"], "is not RxS"),
+    (["--mesh", "eight"], "is not RxS"),
+    (["--mesh=-1x4"], "is not RxS"),
+    (["--mesh", "0x4"], "0 replicas and 4 shards"),
+    (["--mesh", "4x0"], "4 replicas and 0 shards"),
+    (["--mesh", "8x512", "--world-size", "1024"], "8x512 is 4096 ranks but --world-size is 1024"),
+])
+def test_bad_mesh_values_are_usage_errors_naming_the_option(args, says, capsys):
+    from shardwrap import estimate as est
+
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--params", "1e9", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --mesh:" in err and says in err and "Traceback" not in err, err
+
+
+def test_mesh_and_world_size_agree_or_either_is_needed(capsys):
+    from shardwrap import estimate as est
+
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--params", "1e9"])
+    assert exit_.value.code == 2 and "--world-size N" in capsys.readouterr().err
+    both = est.main(["--params", "1e9", "--mesh", "4x8", "--world-size", "32", "--json"])
+    alone = est.main(["--params", "1e9", "--mesh", "4x8", "--json"])
+    capsys.readouterr()
+    assert both == alone and alone["world_size"] == 32
+    ideal = alone["collectives_formula"][3]
+    assert ideal["ideal"] and ideal["shard"]["all_gather"]["elements"] == pytest.approx(2 * 1e9 / 8)
+    assert ideal["replicate"]["replicate_all_reduce"]["wire_bytes"] == pytest.approx(4 * 2 * 1e9 * 3 / 32)

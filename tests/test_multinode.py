@@ -172,7 +172,7 @@ def test_a_dead_node_fails_the_other_fast_with_a_clear_error():
         # error (recorded by @record), the error gloo raised under it
         summary = out[out.index("examples/train_gpt2.py FAILED"):] if "examples/train_gpt2.py FAILED" in out else ""
         assert "Root Cause (first observed failure)" in summary, out[-4000:]
-        assert re.search(r"rank [01] \(node 0\) lost its connection to another rank after \d+ steps", summary), summary
+        assert re.search(r"rank [01] \(node 0\) lost its connection to another rank in step \d+:", summary), summary
         assert "Restart the job with --resume auto" in summary, summary
         assert re.search(r"Connection (closed|reset) by peer", out), out[-4000:]
         print(f"node 0 exited {rc} {took:.1f} s after node 1 was killed:\n{out[-3000:]}")

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,3 +180,16 @@ def test_a_dead_node_fails_the_other_fast_with_a_clear_error():
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.mark.parametrize("replicate, world, local, error", [
+    ("3", 4, 2, "--replicate 3 does not divide the 4 ranks"),
+    ("0", 4, 2, "--replicate must be a whole number >= 1 or 'auto', not '0'"),
+    ("auto", 4, 3, "--replicate auto: WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3"),
+])
+def test_replicate_is_checked_before_torch_starts(replicate, world, local, error):
+    """A --replicate that cannot make a mesh is a usage error on every rank, before any import of torch."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "examples/train_gpt2.py", "--replicate", replicate], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and error in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -56,7 +56,7 @@ _ERRORS: dict[str, type[Exception]] = {
 
 def _agree(value: Any, model: "ShardedModule", group: collectives.Group | None = None) -> Any:
     """The mesh's first rank's ``value`` on every rank (over ``group``, default the mesh's)."""
-    return collectives.broadcast_object(value, group or model.mesh.get_group())
+    return collectives.broadcast_object(value, group or model.world_group)
 
 
 def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
@@ -66,7 +66,7 @@ def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
         result, failure = step(), None
     except Exception as exc:
         result, failure = None, (type(exc).__name__, str(exc))
-    failures = [f for f in collectives.all_gather_object(failure, model.mesh.get_group()) if f is not None]
+    failures = [f for f in collectives.all_gather_object(failure, model.world_group) if f is not None]
     if failures:
         name, message = failures[0]
         raise _ERRORS.get(name, RuntimeError)(message)
@@ -92,7 +92,7 @@ def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", grou
     """Every file of the checkpoint in ``tmp`` with its size and xxh3-64 hash, on every rank; each rank
     reads its share (``checkpoint_files.share``). Every rank has finished writing when it returns."""
     names = sorted({files.METADATA} | {info.relative_path for info in metadata.storage_data.values()})
-    rank, world = model.mesh.get_local_rank(), model.mesh.size()
+    rank, world = model.world_rank, model.world_size
     try:
         mine: Any = {name: files.checksum(os.path.join(tmp, name)) for name in files.share(names, rank, world)}
     except OSError as exc:
@@ -222,7 +222,7 @@ def _encode_extra_state(extra_state: Mapping[str, Any] | None, model: "ShardedMo
             ) from None
 
     body = _agreed(model, encode)
-    bodies = collectives.all_gather_object(body, model.mesh.get_group())
+    bodies = collectives.all_gather_object(body, model.world_group)
     differ = [r for r, b in enumerate(bodies) if b != bodies[0]]
     if differ:
         raise ValueError(
@@ -276,9 +276,9 @@ def save_checkpoint_with(
         state["optim"] = model.sharded_optim_state_dict(optimizer)
     extras = dict(extra_files)
     if blocking:
-        _save(path, state, extras, model, model.mesh.get_group())
+        _save(path, state, extras, model, model.world_group)
         return None
-    group = collectives.checkpoint_group_for(model.mesh.get_group())
+    group = collectives.checkpoint_group_for(model.world_group)
     staged = _staged(state)
     _pending = _SAVER.submit(_save, path, staged, extras, model, group)
     return _pending
@@ -374,7 +374,7 @@ def _optim_template(
     if not entries:
         return {}, ["it holds no optimizer state: pass optimizer=None to load the model alone"]
     index = state_dict.optimizer_slots(model, optimizer)
-    rank = model.mesh.get_local_rank()
+    rank = model.world_rank
     template: dict[str, Any] = {"state": {}, "param_groups": []}
     unknown: list[str] = []
     problems: list[str] = []
@@ -504,7 +504,7 @@ def _load(
     """The load: ``read_extras(path, records)`` reads what the caller keeps beside the state,
     checked like the rest before anything is written."""
     wait_for_saves()
-    rank, world = model.mesh.get_local_rank(), model.mesh.size()
+    rank, world = model.world_rank, model.world_size
     found = _agreed(model, lambda: _published(path) if rank == 0 else None)  # an error on rank 0 reaches every rank
     path = _agree(found, model)
     records = _agreed(model, lambda: _check_files(path))
@@ -576,11 +576,11 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     state: dict[str, Any] = {"model": model.full_state_dict()}
     if optimizer is not None:
         state["optim"] = model.full_optim_state_dict(optimizer)
-    if model.mesh.get_local_rank() == 0:
+    if model.world_rank == 0:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         torch.save(state, tmp)
         os.replace(tmp, path)
-    collectives.barrier(model.mesh.get_group())
+    collectives.barrier(model.world_group)
 
 
 def _read_full(
@@ -617,7 +617,7 @@ def load_full_with(
     """``load_full`` of a file laid out otherwise: ``layout(content)`` gives ``{"model": state
     dict, "optim": optimizer state dict, ...}`` (raising ``KeyError``/``TypeError`` when the file is
     not so laid out). Returns the other keys of that dict, on every rank."""
-    is_src = model.mesh.get_local_rank() == 0
+    is_src = model.world_rank == 0
     state = _agreed(model, lambda: _read_full(path, model, optimizer, layout) if is_src else {})
     # Checked in full above: the optimizer goes first, since torch's load_state_dict is the one
     # step with checks of its own; the model's scatter cannot fail after check_full.

@@ -276,6 +276,13 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup)
                 t.copy_(piece.view_as(t))
 
 
+def all_reduce_replicas(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work | None:
+    """Start summing a reduced gradient shard over the replicate axis of a hybrid mesh (in place,
+    asynchronous). Counted under ``"replicate_all_reduce"``: elements per rank."""
+    _count_tensor("replicate_all_reduce", tensor)
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ranks (used for small scalars such as gradient norms)."""
     _count_tensor("all_reduce", tensor)
@@ -350,6 +357,10 @@ def group_rank(group: dist.ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
+def group_size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
 def backend() -> str:
     return str(dist.get_backend())
 
@@ -376,6 +387,22 @@ def reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if ranks not in _REDUCE_GROUPS:
         _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
     return _REDUCE_GROUPS[ranks]
+
+
+def reduce_group_of_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """``reduce_group_for`` the shard axis (the last) of a 2-D mesh: every rank creates the reduce
+    group of every row, in the same order (``new_group`` is collective over the default group),
+    and keeps its own."""
+    rows = [tuple(int(r) for r in row) for row in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()]
+    me = dist.get_rank()
+    mine = None
+    for ranks in rows:
+        if ranks not in _REDUCE_GROUPS:
+            _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
+        if me in ranks:
+            mine = _REDUCE_GROUPS[ranks]
+    assert mine is not None  # the mesh covers every rank (checked by the caller)
+    return mine
 
 
 _CHECKPOINT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

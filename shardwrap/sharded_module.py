@@ -279,10 +279,16 @@ def _share_rng_state(group: collectives.Group, device: torch.device) -> None:
 def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"ShardedModule: mesh={mesh!r} is not a torch.distributed DeviceMesh")
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise ValueError(
             f"ShardedModule: mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; shardwrap shards over "
-            f"a 1-D mesh: pass one axis of it, such as mesh['dp']"
+            f"a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding: pass those axes of it, "
+            f"such as mesh['replicate', 'shard']"
+        )
+    if mesh.ndim == 2 and not mesh.mesh_dim_names:
+        raise ValueError(
+            "ShardedModule: a 2-D mesh for hybrid sharding needs axis names: build it with "
+            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
     if mesh.device_type != device.type:
         raise ValueError(
@@ -530,9 +536,19 @@ class ShardedModule(nn.Module):
         self.switches = switches
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.mesh = mesh if mesh is not None else collectives.default_mesh(device.type)
-        group = self.mesh.get_group()
+        if self.mesh.ndim == 2:  # hybrid: shard over the last axis, replicate over the first
+            replicate_axis, shard_axis = self.mesh.mesh_dim_names or ("", "")
+            self.shard_mesh = self.mesh[shard_axis]
+            self.replicate_group: collectives.Group | None = self.mesh[replicate_axis].get_group()
+            self.world_group = collectives.default_group()  # the mesh covers every rank (checked)
+            reduce_group = collectives.reduce_group_of_mesh(self.mesh)
+        else:
+            self.shard_mesh = self.mesh
+            self.replicate_group = None
+            self.world_group = self.mesh.get_group()
+            reduce_group = collectives.reduce_group_for(self.world_group)
+        group = self.shard_mesh.get_group()
         names = [p.name or "<root>" for p in plans]
-        reduce_group = collectives.reduce_group_for(group)
         self._state = TrainingState.IDLE
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
@@ -552,10 +568,11 @@ class ShardedModule(nn.Module):
         def build(i: int) -> None:
             plan = plans[i]
             if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
-                collectives.broadcast_tensors(plan.params, group)  # one dtype per unit: one collective
+                collectives.broadcast_tensors(plan.params, self.world_group)  # one dtype per unit: one collective
             unit = Unit(
                 root=self, name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns,
-                slots=plan.slots, mesh=self.mesh, reduce_group=reduce_group, stage=switches,
+                slots=plan.slots, mesh=self.shard_mesh, reduce_group=reduce_group, stage=switches,
+                dtensor_mesh=self.mesh, replicate_group=self.replicate_group,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
                 store=store,
             )
@@ -571,15 +588,18 @@ class ShardedModule(nn.Module):
 
         if init_device is not None:  # meta: materialize module by module, shard each unit when complete
             if self.mesh.size() > 1:
-                _share_rng_state(group, init_device)
+                _share_rng_state(self.world_group, init_device)
             for i in _materialize(module, plans, init_device, param_init_fn):
                 build(i)
         else:
             for i in range(len(plans)):
                 build(i)
         self._units = [built[i] for i in range(len(plans))]
+        # Hybrid: the all-reduces over replicas start in this order on every rank (design/notes/hybrid-sharding.md).
+        self._replica_order = [u for u in reversed(self._units) if u.has_trainable]
+        self._replicas_started = 0
         if self.mesh.size() > 1:
-            collectives.broadcast_tensors(list(module.buffers()), group)
+            collectives.broadcast_tensors(list(module.buffers()), self.world_group)
         for sub in module.modules():
             _MANAGED_MODULES.add(sub)
         if callable(getattr(module, "save_pretrained", None)):  # a Hugging Face model
@@ -706,6 +726,37 @@ class ShardedModule(nn.Module):
         """The units in pre-order, root first."""
         return list(self._units)
 
+    # ---- the mesh's axes ----------------------------------------------------------------------
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place on the shard axis: which chunk of each parameter it holds."""
+        return self.shard_mesh.get_local_rank()
+
+    @property
+    def shard_size(self) -> int:
+        """S, the ranks a parameter is sharded over."""
+        return self.shard_mesh.size()
+
+    @property
+    def replicate_size(self) -> int:
+        """R, the replicas (1 unless the mesh is a 2-D hybrid one)."""
+        return self.mesh.size() // self.shard_mesh.size()
+
+    @property
+    def replicate_rank(self) -> int:
+        return 0 if self.replicate_group is None else collectives.group_rank(self.replicate_group)
+
+    @property
+    def world_rank(self) -> int:
+        """This rank's place among every rank of the mesh (0: the first, which keeps full state dicts)."""
+        return collectives.group_rank(self.world_group)
+
+    @property
+    def world_size(self) -> int:
+        """R * S, every rank of the mesh."""
+        return self.mesh.size()
+
     def unit_of(self, param: torch.Tensor) -> tuple[Unit, int] | None:
         """The unit owning the sharded parameter ``param`` and its index there, or None."""
         return self._unit_of.get(id(param))
@@ -745,6 +796,7 @@ class ShardedModule(nn.Module):
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
         for unit in self._units:
             unit.abandon()
+        self._replicas_started = 0
         self.schedule.end_backward()  # waits for the count exchanges still in flight
         self.expect_backward = False
         self._state = TrainingState.IDLE
@@ -792,12 +844,40 @@ class ShardedModule(nn.Module):
         unit.reduce_scatter_grad()
         self.schedule.started(unit)
         while (oldest := self.schedule.over_bound()) is not None:
-            oldest.finish_grad()
+            self._reduced(oldest)
 
     def apply_completed_reductions(self) -> None:
-        """Add every completed reduce-scatter into ``p.grad`` and free its buffers (never waits)."""
+        """Add every completed reduce-scatter into ``p.grad`` and free its buffers (never waits);
+        hybrid: start the all-reduces over replicas that are due instead."""
         for unit in self.schedule.completed():
+            self._reduced(unit)
+
+    def _reduced(self, unit: Unit) -> None:
+        """``unit``'s reduce-scatter is done (or is waited for now): apply it, or (hybrid) start
+        every all-reduce over replicas whose turn has come."""
+        if self.replicate_group is None:
             unit.finish_grad()
+            return
+        unit.finish_shard_reduction()
+        self._start_replica_reductions(final=False)
+
+    def _start_replica_reductions(self, final: bool) -> None:
+        """Hybrid: start the all-reduces over replicas in ``_replica_order``, the same on every
+        rank, as far as the reduce-scatters have finished (``final``: waiting for them). Two
+        replicas may see their reduce-scatters complete in different orders; the all-reduces on
+        the replicate group must pair up, so they never start out of this order."""
+        order = self._replica_order
+        while self._replicas_started < len(order):
+            unit = order[self._replicas_started]
+            if not unit.shard_reduced:
+                if not final:
+                    return  # not reduce-scattered yet, or still in flight: its turn blocks the rest
+                if unit.grad_state is not GradState.IN_FLIGHT:  # no reduction this backward, on any rank
+                    self._replicas_started += 1
+                    continue
+                unit.finish_shard_reduction()
+            unit.start_replica_reduction()
+            self._replicas_started += 1
 
     def _finish_backward(self) -> None:
         """End of backward: issue whatever this rank's graph skipped (all-gathers, reduce-scatters
@@ -816,6 +896,9 @@ class ShardedModule(nn.Module):
                 if unit.grad_state in (GradState.ACCUMULATING, GradState.PACKED):  # outside the recorded forward
                     unit.pack_grad()
                     self._start_reduction(unit)
+            if self.replicate_group is not None:
+                self._start_replica_reductions(final=True)
+                self._replicas_started = 0
             for unit in self._units:
                 if unit.grad_state is GradState.IN_FLIGHT:
                     unit.finish_grad()
@@ -857,10 +940,10 @@ class ShardedModule(nn.Module):
                 "last micro-batch's backward outside no_sync(), then clip"
             )
         norm_type = float(norm_type)
-        group = self.mesh.get_group()
+        group = self.shard_mesh.get_group()  # hybrid: every replica holds the same gradient
         locals_ = [local_of(p.grad) for p in self.parameters() if p.grad is not None]
         grads = [g for g in locals_ if g.numel() > 0]
-        first = self.mesh.get_local_rank() == 0
+        first = self.shard_rank == 0
         counted = [g for g in grads if g.dim() > 0 or first]  # 0-dim parameters are replicated: count once
         device = self._units[0].device
         if norm_type == float("inf"):

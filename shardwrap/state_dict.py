@@ -32,20 +32,19 @@ def _is_param_state(key: str, value: Any, slot: ParamSlot) -> bool:
 def as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
     """``local`` (this rank's chunk of something shaped like the parameter of ``slot``) as a
     DTensor placed like that parameter."""
-    placement = Replicate() if slot.replicated else Shard(0)
-    return DTensor.from_local(local, model.mesh, [placement], run_check=False, shape=slot.shape, stride=slot.stride)
+    return DTensor.from_local(local, model.mesh, model.units[0].placements(slot.replicated), run_check=False, shape=slot.shape, stride=slot.stride)
 
 
-def _local_chunk(value: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor:
-    """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W."""
+def _local_chunk(value: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W or mesh."""
     if slot.replicated:
         return (value.full_tensor() if isinstance(value, DTensor) else value).reshape(())
+    rank = model.shard_rank
     if isinstance(value, DTensor):
         local = value.to_local()
-        if value.placements == (Shard(0),) and tuple(local.shape) == slot.sharded_shape(rank):
-            same_split = value.device_mesh.size() == collectives.world_size()
-            if same_split:
-                return local
+        same_split = value.device_mesh.shape == model.mesh.shape and value.placements == model.units[0].placements()
+        if same_split and tuple(local.shape) == slot.sharded_shape(rank):
+            return local
         value = value.full_tensor()
     full = value.reshape(slot.dim0, slot.inner)
     return full.narrow(0, slot.first_row(rank), slot.local_rows(rank)).reshape(slot.sharded_shape(rank))
@@ -97,7 +96,7 @@ def _problems(sd: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], st
 def agreed_problems(model: "ShardedModule", problems: list[str]) -> list[str]:
     """Every rank's problems, the same list on every rank (one object all-gather), so that all
     ranks raise together or none does. Problems only some ranks found name those ranks."""
-    per_rank = collectives.all_gather_object(problems, model.mesh.get_group())
+    per_rank = collectives.all_gather_object(problems, model.world_group)
     if all(p == per_rank[0] for p in per_rank):
         return list(per_rank[0])
     return [f"rank {r}: {p}" for r, rank_problems in enumerate(per_rank) for p in rank_problems]
@@ -146,7 +145,6 @@ def model_writes(model: "ShardedModule", sd: Mapping[str, Any]) -> list[tuple[to
     """``(destination, value)`` for every key of ``sd`` that the model has, each value converted to
     this rank's chunk (a collective when it was saved at another world size). Writes nothing:
     validate ``sd`` first, then ``commit_writes``."""
-    rank = model.mesh.get_local_rank()
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # parameters: into their local views
     for key, target in model.module.state_dict(keep_vars=True).items():
         if key not in sd:
@@ -157,7 +155,7 @@ def model_writes(model: "ShardedModule", sd: Mapping[str, Any]) -> list[tuple[to
             writes.append((target, value))
         else:
             unit, i = found
-            writes.append((unit.local_param(i), _local_chunk(sd[key], unit.layout.slots[i], rank)))
+            writes.append((unit.local_param(i), _local_chunk(sd[key], unit.layout.slots[i], model)))
     return writes
 
 
@@ -173,7 +171,7 @@ def commit_writes(model: "ShardedModule", writes: list[tuple[torch.Tensor, torch
 
 
 def full_state_dict(model: "ShardedModule", rank0_only: bool, cpu_offload: bool) -> dict[str, torch.Tensor]:
-    keep = not rank0_only or model.mesh.get_local_rank() == 0
+    keep = not rank0_only or model.world_rank == 0
     full_by_id: dict[int, torch.Tensor] = {}
     for handle in model.units:
         fulls = handle.gather_full()
@@ -193,9 +191,11 @@ def full_state_dict(model: "ShardedModule", rank0_only: bool, cpu_offload: bool)
 
 def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """The mesh's first rank reads ``sd`` (the others pass ``{}``); shards are scattered unit by
-    unit and buffers broadcast. Every rank returns the first rank's missing and unexpected keys."""
-    group = model.mesh.get_group()
-    is_src = model.mesh.get_local_rank() == 0
+    unit and buffers broadcast. Every rank returns the first rank's missing and unexpected keys.
+    Hybrid: the first replica's shard group scatters, then each shard is broadcast to the other
+    replicas over the replicate axis."""
+    group = model.world_group
+    is_src = model.world_rank == 0
     verdict = None
     if is_src:
         expected = expected_shapes(model)
@@ -204,7 +204,7 @@ def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     _raise_problems("load_full_state_dict", problems, "Load it into the model it was saved from, or pass strict=False to leave out missing and unexpected keys")
     names = _names_by_id(model)
     for unit in model.units:
-        _scatter_unit(unit, sd, names, is_src, group)
+        _scatter_unit(unit, sd, names, is_src, model)
     present = collectives.broadcast_object([k for k, _ in model.module.named_buffers() if k in sd] if is_src else None, group)
     targets = [(k, b) for k, b in model.module.named_buffers() if k in present]
     if is_src:
@@ -222,13 +222,13 @@ def _names_by_id(model: "ShardedModule") -> dict[int, list[str]]:
     return names
 
 
-def _scatter_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[str]], is_src: bool, group: collectives.Group) -> None:
+def _scatter_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[str]], is_src: bool, model: "ShardedModule") -> None:
     layout, W, S = handle.layout, handle.world_size, handle.layout.shard_numel
     if not layout.slots:
         return
     # Parameters the dict leaves out (strict=False) keep their current values.
     keys = [next((k for k in names[id(p)] if k in sd), None) if is_src else None for p in handle.sharded_params]
-    flags = collectives.broadcast_object([k is not None for k in keys] if is_src else None, group)
+    flags = collectives.broadcast_object([k is not None for k in keys] if is_src else None, model.world_group)
     current = handle.gather_full() if not all(flags) else None
     incoming = torch.empty(S + 1, dtype=handle.dtype, device=handle.device)
     pieces = None
@@ -242,7 +242,10 @@ def _scatter_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[s
             piece = torch.zeros(S + 1, dtype=handle.dtype, device=handle.device)
             layout.fill_shard_from_full(fulls, piece.narrow(0, 0, S), r)
             pieces.append(piece)
-    collectives.scatter(incoming, pieces, group)
+    if model.replicate_rank == 0:  # the first replica: its shard group holds the source
+        collectives.scatter(incoming, pieces, handle.group)
+    if model.replicate_group is not None:
+        collectives.broadcast(incoming, model.replicate_group)
     handle.write_shard(incoming.narrow(0, 0, S))
 
 
@@ -268,7 +271,7 @@ def _is_sharded_state(value: Any, param: torch.Tensor) -> bool:
 
 
 def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
-    keep = not rank0_only or model.mesh.get_local_rank() == 0
+    keep = not rank0_only or model.world_rank == 0
     params = _opt_params(opt)
     osd = opt.state_dict()
     index_of = {id(p): i for i, p in enumerate(params)}
@@ -299,17 +302,16 @@ def full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, ra
 
 
 def load_full_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
-    osd = collectives.broadcast_object(osd if model.mesh.get_local_rank() == 0 else None, model.mesh.get_group())  # the whole dict at once
+    osd = collectives.broadcast_object(osd if model.world_rank == 0 else None, model.world_group)  # the whole dict at once
     # Every rank holds the same dict now, so every rank reaches the same verdict.
     _raise_problems("load_full_optim_state_dict", full_optim_problems(model, opt, osd), _OPTIM_HINT)
     params = _opt_params(opt)
-    rank = model.mesh.get_local_rank()
     state = {}
     for idx, entry in osd["state"].items():
         handle, i = _slot_of(model, params[int(idx)])
         slot = handle.layout.slots[i]
         state[int(idx)] = {
-            k: handle.as_dtensor(_local_chunk(v, slot, rank).clone(), slot) if _is_param_state(k, v, slot) else v
+            k: handle.as_dtensor(_local_chunk(v, slot, model).clone(), slot) if _is_param_state(k, v, slot) else v
             for k, v in entry.items()
         }
     opt.load_state_dict({"state": state, "param_groups": osd["param_groups"]})
@@ -443,14 +445,13 @@ def sharded_optim_load(model: "ShardedModule", opt: torch.optim.Optimizer, osd: 
     of that group. Call it after ``sharded_optim_problems`` found nothing; it writes nothing.
     ``copy=False`` lets the optimizer keep the given tensors (scratch copies nobody else holds)."""
     index = optimizer_slots(model, opt)
-    rank = model.mesh.get_local_rank()
     state: dict[int, dict[str, Any]] = {}
     for name, entry in osd["state"].items():
         i, slot = index[name]
         state[i] = {}
         for k, v in entry.items():
             if _is_param_state(k, v, slot):  # sharded like its parameter: a DTensor again
-                local = _local_chunk(v, slot, rank)
+                local = _local_chunk(v, slot, model)
                 v = as_dtensor(local.clone() if copy else local, slot, model)
             state[i][k] = v
     # Same names in each group (checked), listed in the optimizer's own order: torch pairs the

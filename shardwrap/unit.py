@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from shardwrap import collectives
 from shardwrap.offload import OffloadStore
@@ -182,6 +183,8 @@ class _Reduction:
     input: torch.Tensor  # must live until the collective completes
     done: Callable[[], bool] | None
     used_here: bool  # this rank's backward reached the unit
+    shard_done: bool = False  # the reduce-scatter over the shard axis finished (hybrid: the all-reduce follows)
+    replica_work: collectives.Work | None = None  # hybrid: the all-reduce over the replicate axis
 
 
 class Unit:
@@ -200,12 +203,17 @@ class Unit:
         mesh: DeviceMesh,
         reduce_group: collectives.Group,
         stage: Stage,
+        dtensor_mesh: DeviceMesh | None = None,
+        replicate_group: collectives.Group | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         store: OffloadStore | None = None,
     ) -> None:
-        """Shard ``params`` (full and already identical on every rank) over ``mesh``; with a
-        ``store``, the master shard lives there (design/notes/offload.md).
+        """Shard ``params`` (full and already identical on every rank) over the 1-D ``mesh``; with a
+        ``store``, the master shard lives there (design/notes/offload.md). Hybrid sharding
+        (design/notes/hybrid-sharding.md): ``dtensor_mesh`` is the 2-D (replicate, shard) mesh the
+        DTensor parameters live on, ``replicate_group`` the replicate axis the reduced gradient
+        shard is all-reduced over.
 
         Postcondition: every slot holds the sharded parameter; the unsharded buffer is freed
         (unless the shard lives in it).
@@ -215,6 +223,10 @@ class Unit:
         self.index = index
         self._unit_names = unit_names
         self.mesh = mesh
+        self.dtensor_mesh = dtensor_mesh if dtensor_mesh is not None else mesh
+        self._replicated_axes = (Replicate(),) * (self.dtensor_mesh.ndim - 1)  # hybrid: the replicate axis
+        self.replicate_group = replicate_group
+        self.replicas = collectives.group_size(replicate_group) if replicate_group is not None else 1
         self.group = mesh.get_group()
         self.reduce_group = reduce_group  # its own sequence: design/notes/collective-schedule.md
         self.rank = mesh.get_local_rank()
@@ -311,8 +323,11 @@ class Unit:
     def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
         a DTensor with the parameter's global shape: ``Shard(0)``, or ``Replicate()`` for 0-dim."""
-        placement = Replicate() if slot.replicated else Shard(0)
-        return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=slot.shape, stride=slot.stride)
+        return DTensor.from_local(local, self.dtensor_mesh, self.placements(slot.replicated), run_check=False, shape=slot.shape, stride=slot.stride)
+
+    def placements(self, replicated: bool = False) -> tuple[Placement, ...]:
+        """``(Shard(0),)`` (``Replicate()`` for a 0-dim parameter); hybrid: ``Replicate()`` first."""
+        return self._replicated_axes + (Replicate() if replicated else Shard(0),)
 
     def _shard_version(self) -> int:
         """A count that every write into the shard raises: the parameters' version counters (the
@@ -432,9 +447,9 @@ class Unit:
 
     @property
     def sharded_flat(self) -> DTensor:
-        """The flat shard as a ``Shard(0)`` DTensor over the mesh."""
+        """The flat shard as a ``Shard(0)`` DTensor over the mesh (hybrid: replicated first)."""
         W, S = self.world_size, self.layout.shard_numel
-        return DTensor.from_local(self.sharded_local, self.mesh, [Shard(0)], run_check=False, shape=torch.Size((W * S,)), stride=(1,))
+        return DTensor.from_local(self.sharded_local, self.dtensor_mesh, self.placements(), run_check=False, shape=torch.Size((W * S,)), stride=(1,))
 
     def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full value, as new tensors (one all-gather; the unit's state is
@@ -690,6 +705,7 @@ class Unit:
             if isinstance(reduction.done, _WaiterProbe):
                 reduction.done.join()  # never wait on one Work from two threads at once
             collectives.wait(reduction.work)
+            collectives.wait(reduction.replica_work)
         self._packed = None
         self._reentered = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
@@ -888,21 +904,49 @@ class Unit:
         r = self._reduction
         return r is None or r.done is None or r.done()
 
-    def finish_grad(self) -> None:
-        """IN_FLIGHT -> REDUCED: wait for the reduce-scatter, average, and add this rank's piece
-        into the sharded grads. If no rank reached the unit its gradients stay untouched
-        (``None`` stays ``None``, as in plain PyTorch)."""
+    def finish_shard_reduction(self) -> None:
+        """Wait for the reduce-scatter over the shard axis (IN_FLIGHT stays; idempotent)."""
         self._expect_grad("finish its reduce-scatter", GradState.IN_FLIGHT)
         r = self._reduction
         assert r is not None
-        self._reduction = None
+        if r.shard_done:
+            return
         what = self._where("reduce-scatter")
         if isinstance(r.done, _WaiterProbe):
             collectives.wait(r.done, what)  # never wait on one Work from two threads at once
         collectives.wait(r.work, what)  # on NCCL this orders the current stream after the collective
+        r.shard_done = True
+
+    @property
+    def shard_reduced(self) -> bool:
+        """Hybrid: the reduce-scatter finished and the all-reduce over replicas may start."""
+        r = self._reduction
+        return r is not None and r.shard_done
+
+    def start_replica_reduction(self) -> None:
+        """Hybrid: start the all-reduce of the reduced shard and its used-flag over the replicate
+        axis (asynchronous, on the replicate group). The root starts these in one fixed unit
+        order, the same on every replica (design/notes/hybrid-sharding.md)."""
+        r = self._reduction
+        assert r is not None and r.shard_done and r.replica_work is None and self.replicate_group is not None
+        r.replica_work = collectives.all_reduce_replicas(r.output, self.replicate_group)
+
+    def finish_grad(self) -> None:
+        """IN_FLIGHT -> REDUCED: wait for the reduce-scatter (hybrid: and the all-reduce over
+        replicas, started by the root), average, and add this rank's piece into the sharded
+        grads. If no rank reached the unit its gradients stay untouched (``None`` stays ``None``,
+        as in plain PyTorch)."""
+        self.finish_shard_reduction()
+        r = self._reduction
+        assert r is not None
+        if self.replicate_group is not None:
+            if r.replica_work is None:
+                raise RuntimeError(f"rank {collectives.rank()}: unit '{self.name}': its all-reduce over replicas was never started")
+            collectives.wait(r.replica_work, self._where("all-reduce over replicas"))
+        self._reduction = None
         reduced, S = r.output, self.layout.grad_shard_numel
         self._grad = GradState.REDUCED
-        if not r.used_here and reduced[S].item() == 0:
+        if not r.used_here and reduced[S].item() == 0:  # hybrid: summed over every replica too
             return
         if self.store is not None:  # the gradient shard goes to the offload side at once
             sharded_grad = torch.empty(S, dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
@@ -911,7 +955,7 @@ class Unit:
             sharded_grad.copy_(reduced.narrow(0, 0, S))
         else:
             sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
-        _average_grad(sharded_grad, self.world_size)
+        _average_grad(sharded_grad, self.world_size * self.replicas)
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad

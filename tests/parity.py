@@ -47,6 +47,7 @@ class Case:
     max_unsharded: int = 2
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     offload: str | None = None  # Offload(optimizer=...): "cpu" | "disk" (files in a new temporary directory)
+    mesh: tuple[int, int] | None = None  # hybrid: (replicas, shards), a ("replicate", "shard") mesh over R * S ranks
     seed: int = 0
 
 
@@ -250,6 +251,7 @@ def _train_sharded(case: Case) -> dict[str, Any]:
         mixed_precision=MixedPrecision(param_dtype=dtype) if dtype else None,
         max_unsharded=case.max_unsharded,
         offload=offload,
+        mesh=hybrid_mesh(case.mesh) if case.mesh else None,
     )
     opt = build_optimizer(case, model)
     losses, norms = [], []
@@ -284,6 +286,18 @@ def _train_sharded(case: Case) -> dict[str, Any]:
         "losses": losses,
         "norms": norms,
     }
+
+
+def hybrid_mesh(shape: tuple[int, int]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_place(case: Case, world_size: int, rank: int) -> tuple[int, int]:
+    """(S, this rank's place on the shard axis): a hybrid mesh is row-major, rank = r * S + s."""
+    shards = case.mesh[1] if case.mesh else world_size
+    return shards, rank % shards
 
 
 def clip(case: Case, model: Any) -> float:
@@ -354,9 +368,10 @@ def compare(case: Case, world_size: int, results: list[dict[str, Any]], referenc
         assert_close_params(full[name], value, case.optim, case.steps, f"full '{name}'", mp)
     for rank, result in enumerate(results):
         assert result["full"] == {} or rank == 0, "rank0_only: other ranks must get {}"
+        shards, place = shard_place(case, world_size, rank)
         for name, local in result["local"].items():
             assert_close_params(
-                local, expected_chunk(expected[name], world_size, rank), case.optim, case.steps, f"rank {rank} shard '{name}'", mp
+                local, expected_chunk(expected[name], shards, place), case.optim, case.steps, f"rank {rank} shard '{name}'", mp
             )
     # Per-rank losses average to the global loss (every chunk has the same size).
     loss_tol = {None: 1e-4, "fp16": 5e-3, "bf16": 3e-2}[mp]

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import models
 from harness import RankError, run_on_ranks
-from parity import Case, build_model, build_optimizer, global_batch, loss_fn, resolve_policy
+from parity import Case, build_model, build_optimizer, global_batch, hybrid_mesh, loss_fn, resolve_policy
 
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8, optim="adamw")
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
@@ -21,7 +21,8 @@ MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 def make(case: Case):
     from shardwrap import ShardedModule
 
-    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
+    mesh = hybrid_mesh(case.mesh) if case.mesh else None
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage, mesh=mesh)
     return model, build_optimizer(case, model)
 
 

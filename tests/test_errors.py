@@ -97,7 +97,7 @@ EXPECTED = {
     "policy_set_of_junk": ("TypeError", ["int", "nn.Module subclass"]),
     "dtype": ("TypeError", ["'block'", "'block.up.bias'", "torch.float64", "MixedPrecision"]),
     "device": ("ValueError", ["'block.down.weight'", "meta", "one device"]),
-    "mesh_2d": ("ValueError", ["2 axes", "1-D"]),
+    "mesh_2d": ("ValueError", ["2-D mesh for hybrid sharding", "mesh_dim_names"]),
     "mesh_not_a_mesh": ("TypeError", ["DeviceMesh"]),
     "size_policy": ("ValueError", ["min_num_params=0"]),
     "wrap_twice": ("ValueError", ["already wrapped", "auto_wrap_policy"]),

@@ -270,12 +270,13 @@ def collectives_formula(
     - reduce-scatter over "shard": each unit with trainable parameters once, input S (g + 1)
       (the gradient, rank-major, and a used-flag per rank: the counter), on the wire
       (S - 1)(g + 1) p bytes sent per rank (ring).
-    - gradient all-reduce over "replicate" (R > 1): each trainable unit's padded gradient shard, g
-      elements (the counter), ring 2 (R - 1) / R g p bytes sent per rank; Psi / S and
-      2 Psi (R - 1) / (R S) summed, without padding.
-    - the small exchanges on CPU groups (int64): "headers", 2 elements before every data
-      all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
-      (design/notes/rank-agreement.md, collective-schedule.md).
+    - gradient all-reduce over "replicate" (any 2-D mesh, R = 1 too): each trainable unit's
+      reduce-scatter output, its padded gradient shard and the used-flag, g + 1 elements (the
+      counter), ring 2 (R - 1) / R (g + 1) p bytes sent per rank; Psi / S and
+      2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
+    - the small exchanges on CPU groups (int64, over "shard"): "headers", 2 elements before every
+      data all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
+      (R S > 1) (design/notes/rank-agreement.md, collective-schedule.md).
     """
     R, S = mesh.replicas, mesh.shards
     p = _compute_bytes(precision)
@@ -299,10 +300,10 @@ def collectives_formula(
     }
     if not ideal and S > 1:  # CPU process groups only (the simulation's)
         shard_axis["headers"] = row(len(gathers), 2 * len(gathers), 8, 2 * (S - 1) * len(gathers))
+    if not ideal and R * S > 1:
         shard_axis["counts"] = row(U, 2 * U, 8, 2 * (S - 1) * U)
-    replicate_axis = {}
-    if R > 1:
-        replicate_axis["replicate_all_reduce"] = row(len(trainable), sum(trainable), p, 2 * (R - 1) / R * sum(trainable))
+    reduced = sum(g + tag for g in trainable)
+    replicate_axis = {"replicate_all_reduce": row(len(trainable), reduced, p, 2 * (R - 1) / R * reduced)}
     counter: dict[str, float] = {}
     for axis in (shard_axis, replicate_axis):
         for kind, r in axis.items():
@@ -315,7 +316,7 @@ def collectives_formula(
 
 
 def simulate(shape: Shape, world: int, precision: str, offload: str = "none", max_unsharded: int = 2,
-             mesh: Mesh | None = None, tokens: int = 0) -> dict:
+             mesh: Mesh | None = None, steps: int = 1, tokens: int = 0) -> dict:
     """Wrap ``shape`` on the meta device under a fake process group of ``world`` ranks; rank 0's
     real shard sizes. With ``offload`` "cpu" or "disk" the wrap gets ``Offload("cpu")`` (the disk
     store would write every master shard to files; the layout is the same) and ``offload`` holds
@@ -324,7 +325,7 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
 
     With ``mesh`` (R x S, ``world`` = R * S) the wrap gets ``init_device_mesh("cpu", (R, S),
     mesh_dim_names=("replicate", "shard"))`` and the shard sizes are those at S; then rank 0 runs
-    two real training steps (``step``) and ``out["step"]`` holds what the second counted."""
+    ``steps`` real training steps (``train_steps``) and ``out["step"]`` holds what they counted."""
     from shardwrap import Offload, ShardedModule, collectives
     from shardwrap.unit import local_of
 
@@ -339,8 +340,7 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
     mp = MixedPrecision(param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
     model = ShardedModule(
         build_on_meta(shape), auto_wrap_policy={Block}, mixed_precision=mp, param_init_fn=lambda m: None,
-        max_unsharded=max_unsharded, offload=Offload("cpu") if offload != "none" else None,
-        **({"mesh": device_mesh} if device_mesh is not None else {}),
+        max_unsharded=max_unsharded, offload=Offload("cpu") if offload != "none" else None, mesh=device_mesh,
     )
     seconds = time.perf_counter() - t0
     shards = mesh.shards if mesh is not None else world
@@ -373,13 +373,14 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
         out["shards_per_unit"] = [(h.layout.shard_numel, h.layout.grad_shard_numel) for h in model.units]
         out["padding_per_unit"] = [h.layout.shard_numel - sum(s.dim0 * s.inner for s in h.layout.slots) / shards
                                    for h in model.units]
-        out["step"] = step(model, shape, tokens)
+        out["step"] = train_steps(model, steps, tokens)
     return out
 
 
-def step(model: nn.Module, shape: Shape, tokens: int = 0) -> dict:
-    """Two real training steps of the wrapped ``model`` on this rank (AdamW, a sequence of
-    ``tokens`` tokens): forward, cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``.
+def train_steps(model: nn.Module, steps: int = 1, tokens: int = 0) -> dict:
+    """``steps`` real training steps of the wrapped ``model`` on this rank (AdamW, a sequence of
+    ``tokens`` tokens): forward, cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``, each
+    under ``count_collectives()``.
 
     Under the fake process group every collective is issued and counted as on a real run and moves
     nothing (its all-gather hands every rank this rank's shard), so the numbers are garbage and the
@@ -388,11 +389,14 @@ def step(model: nn.Module, shape: Shape, tokens: int = 0) -> dict:
     fires and autograd gives every parameter a (zero) gradient, so the collectives are those of a
     step on any batch (they do not depend on the data), without the arithmetic: a bf16 weight
     gradient of one token takes this CPU ~20 ms per million parameters (two minutes for Llama-7B).
+    What remains is shardwrap's own data path on rank 0's buffers (copying each gathered unit into
+    place, packing each gradient for its reduce-scatter) and the fake all-gather's copies: several
+    passes over each padded unit, a few seconds per billion parameters a step here.
 
-    The first step is counted apart: the schedule learns from it which unit ends the forward and
-    keeps that unit gathered for backward from the second step on. The model state
-    (``memory.model_state_bytes``) is read after the second step's ``opt.step()``, before
-    ``zero_grad``."""
+    The first step differs from the later ones by one all-gather: the schedule learns from it which
+    unit ends the forward and keeps that unit gathered for backward from the second step on
+    (``collectives_formula(first_step=True)``). The model state (``memory.model_state_bytes``) is
+    read after the last step's ``opt.step()``, before ``zero_grad``."""
     import resource
 
     from shardwrap import collectives
@@ -402,19 +406,20 @@ def step(model: nn.Module, shape: Shape, tokens: int = 0) -> dict:
     ids = torch.zeros(tokens, dtype=torch.long)
     counted, seconds = [], []
     state: dict[str, int] = {}
-    for i in range(2):
+    for i in range(steps):
         t0 = time.perf_counter()
         with collectives.count_collectives() as counts:
             logits = model(ids)
             nn.functional.cross_entropy(logits.float(), ids, reduction="sum").backward()
             opt.step()
-        if i == 1:
+        if i == steps - 1:
             state = model_state_bytes(model, opt)
         opt.zero_grad()
         seconds.append(time.perf_counter() - t0)
         counted.append(dict(counts))
-    return {"first_counter": counted[0], "counter": counted[1], "seconds": seconds, "tokens": tokens,
-            "model_state": state, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"counters": counted, "counter": counted[-1], "first_step": steps == 1, "seconds": seconds,
+            "tokens": tokens, "model_state": state,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def simulated_memory(shape: Shape, world: int, precision: str) -> tuple[int, int]:
@@ -441,16 +446,26 @@ def unit_layouts(shape: Shape, shards: int) -> list[FlatLayout]:
     return [FlatLayout([n for n, _ in g], [p for _, p in g], shards) for g in groups]
 
 
-def step_memory(shape: Shape, shards: int, precision: str, max_unsharded: int = 2) -> int:
+# The hybrid core keeps each unit's reduce-scatter input (its padded unsharded gradient, rank-major,
+# in the reduce dtype) from the reduce-scatter until the end of backward, where the all-reduces over
+# replicas are waited for (unit.py: Unit.finish_shard_reduction leaves ``_Reduction.input`` alive):
+# p Psi more at the peak of a step on a 2-D mesh. False once it drops the input after the wait.
+HYBRID_HOLDS_REDUCE_INPUTS = True
+
+
+def step_memory(shape: Shape, shards: int, precision: str, max_unsharded: int = 2, *, hybrid: bool = True) -> int:
     """About what ``simulate``'s training step needs at S = ``shards``: rank 0's fp32 shards,
     gradient shards and AdamW state (16 bytes a shard element), and, in the compute dtype, the
     ``max_unsharded + 1`` largest padded units gathered at once (the root stays gathered through
     the forward) with their unsharded gradients, and the buffers of one gather and one
-    reduce-scatter (the rank-major copies) and of autograd's per-parameter gradients."""
+    reduce-scatter (the rank-major copies) and of autograd's per-parameter gradients. On a 2-D
+    mesh (``hybrid``), while ``HYBRID_HOLDS_REDUCE_INPUTS``, every unit's reduce-scatter input too.
+    (Llama-7B at 8x512 in bf16: 4.2 GiB without that term, 2.6 GiB peak RSS measured.)"""
     layouts = unit_layouts(shape, shards)
     p = _compute_bytes(precision)
     by_size = sorted((la.padded_unsharded_numel for la in layouts), reverse=True)
-    return 16 * sum(la.shard_numel for la in layouts) + p * (2 * sum(by_size[: max_unsharded + 1]) + 3 * by_size[0])
+    held = p * sum(la.padded_trainable_numel for la in layouts) if hybrid and HYBRID_HOLDS_REDUCE_INPUTS else 0
+    return 16 * sum(la.shard_numel for la in layouts) + p * (2 * sum(by_size[: max_unsharded + 1]) + 3 * by_size[0]) + held
 
 
 def _memory_bytes() -> int | None:
@@ -492,6 +507,7 @@ def _at_least_one(noun: str, too_small: str) -> Callable[[str], int]:
 
 
 _world_size = _at_least_one("ranks", "{} ranks is impossible: give 1 or more")  # --world-size
+_steps = _at_least_one("steps", "{} steps: give 1 or more")  # --steps
 _max_unsharded = _at_least_one("units", "{} is impossible: it counts the running unit, so give 1 or more")  # ShardedModule's limit
 
 
@@ -544,7 +560,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "adds device / host RAM / disk columns")
     ap.add_argument("--max-unsharded", type=_max_unsharded, default=2,
                     help="ShardedModule's max_unsharded: the running unit plus units gathered ahead (default 2)")
-    ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--simulate", action="store_true",
+                    help="wrap the model on the meta device under torch's fake process group and report rank 0's "
+                         "shards; with --mesh also run real training steps there and count their collectives")
+    ap.add_argument("--steps", type=_steps, default=None,
+                    help="with --simulate --mesh: training steps to run (default 1); the last is counted and "
+                         "checked against the formula (from the second on, the steady state)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args(argv)
     mesh: Mesh | None = args.mesh
@@ -555,6 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"give --mesh alone, or a --world-size equal to R * S")
     if mesh is not None:
         args.world_size = mesh.world
+    if args.steps is not None and not (args.simulate and mesh is not None):
+        ap.error("argument --steps: the simulated steps need --simulate and --mesh")
     shards = args.shards = mesh.shards if mesh is not None else args.world_size  # what each parameter is split over
 
     if args.model:
@@ -601,11 +624,14 @@ def main(argv: list[str] | None = None) -> dict:
                      f"or drop --simulate (the formula needs no memory)")
         if mesh is not None and have is not None and (need := step_memory(SHAPES[args.model], shards, args.mixed_precision,
                                                                           args.max_unsharded)) > have:
+            held = " and, as the hybrid core stands, every unit's reduce-scatter input until the end of backward" \
+                if HYBRID_HOLDS_REDUCE_INPUTS else ""
             ap.error(f"--model {args.model} {size} with --simulate: the simulated training step needs about "
-                     f"{need / GiB:.1f} GiB (rank 0's shards, gradients and AdamW state, and the units gathered at "
-                     f"once), more than this machine's {have / GiB:.1f} GiB; simulate a larger S, or drop --simulate")
+                     f"{need / GiB:.1f} GiB (rank 0's shards, gradients and AdamW state, the units gathered at "
+                     f"once{held}), more than this machine's {have / GiB:.1f} GiB; simulate a larger S, or drop "
+                     f"--simulate (the formula needs no memory)")
         result["simulated"] = simulate(SHAPES[args.model], args.world_size, args.mixed_precision, args.offload,
-                                       args.max_unsharded, mesh=mesh)
+                                       args.max_unsharded, mesh=mesh, steps=args.steps or 1)
     if args.json:
         print(json.dumps(result))
         return result
@@ -648,16 +674,20 @@ def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> No
     stage = args.stage
     f = result["collectives_formula"][stage]
     sim = result.get("simulated")
-    counted = sim["step"]["counter"] if sim is not None else None
-    sim_f = result["collectives_formula"][3]  # the simulated wrap is stage 3, as ShardedModule's default
+    st = sim["step"] if sim is not None else None
+    # the simulated wrap is stage 3 (ShardedModule's default); one step: the first step's schedule
+    sim_f = result["collectives_formula_first_step" if st and st["first_step"] else "collectives_formula"]
+    sim_f = sim_f if st and st["first_step"] else sim_f[3]
     ideal = " (ideal: --params has no units, so no padding, no tags, no unit kept for backward)" if f["ideal"] else ""
-    print(f"\ncollectives of one stage-{stage} training step, per rank{ideal}: counter = input elements per rank "
-          f"as shardwrap.collectives.count_collectives() counts them (an all-gather its shard and tag, a reduce-scatter "
-          f"its whole input); wire = GiB each rank receives (all-gather) or sends (reduce-scatter, all-reduce) with "
-          f"ring algorithms")
+    print(f"\ncollectives of one stage-{stage} training step after the first, per rank{ideal}: counter = input "
+          f"elements per rank as shardwrap.collectives.count_collectives() counts them (an all-gather its shard and "
+          f"tag, a reduce-scatter its whole input, the all-reduce over replicas the reduced shard and its flag); "
+          f"wire = GiB each rank receives (all-gather) or sends (reduce-scatter, all-reduce) with ring algorithms")
     cols = ["axis", "collective", "calls", "counter elements", "counter GiB", "wire GiB"]
-    if counted is not None:
-        cols.append("simulated counter (stage 3)")
+    if st is not None:
+        which = "first step" if st["first_step"] else f"step {len(st['counters'])}"
+        cols.append(f"simulated counter (stage 3, {which})")
+        formula = "the first step's formula" if st["first_step"] else "formula"
     print("| " + " | ".join(cols) + " |")
     print("|---" * len(cols) + "|")
     for axis, size in (("shard", mesh.shards), ("replicate", mesh.replicas)):
@@ -667,29 +697,31 @@ def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> No
                 what += f" ({r['forward_calls']} forward + {r['backward_calls']} backward)"
             cells = [f"{axis} ({size} ranks)", what, f"{r['calls']:,}", f"{r['elements']:,.0f}",
                      f"{r['bytes'] / GiB:.3f}", f"{r['wire_bytes'] / GiB:.3f}"]
-            if counted is not None:
-                got, want = counted.get(kind, 0), sim_f["counter"].get(kind, 0)
-                calls = counted.get(kind + "_calls", 0)
-                cells.append(f"{got:,.0f} in {calls:,} calls " + ("= formula" if got == want and
-                             calls == sim_f["counter"].get(kind + "_calls", 0) else f"!= formula {want:,.0f}"))
+            if st is not None:
+                got, calls = st["counter"].get(kind, 0), st["counter"].get(kind + "_calls", 0)
+                want, want_calls = sim_f["counter"].get(kind, 0), sim_f["counter"].get(kind + "_calls", 0)
+                cells.append(f"{got:,.0f} in {calls:,} calls " + (
+                    f"= {formula}" if (got, calls) == (want, want_calls) else f"!= {formula} {want:,.0f} in {want_calls:,}"))
             print("| " + " | ".join(cells) + " |")
     print(f"wire per rank: {f['wire_bytes']['shard'] / GiB:.3f} GiB over 'shard', "
           f"{f['wire_bytes']['replicate'] / GiB:.3f} GiB over 'replicate'")
-    if sim is not None:
-        st = sim["step"]
-        ms = st["model_state"]
+    first = result.get("collectives_formula_first_step")
+    if first is not None and stage == 3:
+        extra = first["shard"]["all_gather"]["calls"] - f["shard"]["all_gather"]["calls"]
+        print(f"the first step gathers {extra} unit more in backward: the schedule learns from it which unit ends "
+              f"the forward, and keeps that one gathered for backward from the second step on")
+    if st is not None:
+        ms, f3 = st["model_state"], result["formula"][3]
         rest = {k: v for k, v in st["counter"].items() if k.removesuffix("_calls") not in COLLECTIVES and k != "bytes"}
-        print(f"simulated: two training steps of {st['tokens']} token (AdamW) on rank 0 of the fake {mesh} mesh, "
-              f"{st['seconds'][0]:.1f}s and {st['seconds'][1]:.1f}s; the second counted (the first gathers "
-              f"{st['first_counter'].get('all_gather_calls', 0) - st['counter'].get('all_gather_calls', 0)} unit more "
-              f"in backward: the schedule learns from it which unit ends the forward); counter bytes "
-              f"{st['counter'].get('bytes', 0) / GiB:.3f} GiB (formula {sim_f['counter']['bytes'] / GiB:.3f})"
-              + (f"; other collectives counted: {rest}" if rest else ""))
+        seconds = " and ".join(f"{t:.1f}s" for t in st["seconds"])
+        print(f"simulated: {len(st['counters'])} real training step(s) (AdamW, a sequence of {st['tokens']} tokens: "
+              f"every unit runs forward and backward, every parameter gets a gradient) on rank 0 of the fake {mesh} "
+              f"mesh in {seconds}; counter bytes of the last {st['counter'].get('bytes', 0) / GiB:.3f} GiB "
+              f"(formula {sim_f['counter']['bytes'] / GiB:.3f})" + (f"; other collectives counted: {rest}" if rest else ""))
         print(f"simulated model state after the step, rank 0: params {ms['params'] / GiB:.3f} + grads "
-              f"{ms['grads'] / GiB:.3f} + AdamW {ms['optim'] / GiB:.3f} GiB (formula at S, stage 3: "
-              f"{result['formula'][3]['params'] / GiB:.3f} + {result['formula'][3]['grads'] / GiB:.3f} + "
-              f"{result['formula'][3]['optim'] / GiB:.3f}, without padding); peak RSS of the simulation "
-              f"{st['peak_rss_bytes'] / GiB:.1f} GiB")
+              f"{ms['grads'] / GiB:.3f} + AdamW {ms['optim'] / GiB:.3f} GiB (formula at S, stage 3, without padding: "
+              f"{f3['params'] / GiB:.3f} + {f3['grads'] / GiB:.3f} + {f3['optim'] / GiB:.3f}); peak RSS of the "
+              f"simulation {st['peak_rss_bytes'] / GiB:.1f} GiB")
 
 
 def _print_offload(args: argparse.Namespace, name: str, psi: int, unit: int, est: dict, offloaded: dict,

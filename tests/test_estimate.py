@@ -241,7 +241,8 @@ def test_collectives_formula_at_a_hand_checkable_size():
       middle unit (the root and the unit that ended the forward stay gathered): 7; 32 in 4 calls,
       wire 7 * 32 * 4 bytes received;
     - reduce-scatters: 8 * (11 + 7 + 5) = 184 elements in 3 calls, wire 7 * 23 * 4 bytes sent;
-    - all-reduce over replicate: 10 + 6 + 4 = 20 elements, wire 2 * 3/4 * 20 * 4 = 120 bytes;
+    - all-reduce over replicate: the reduced shards and flags, 11 + 7 + 5 = 23 elements, wire
+      2 * 3/4 * 23 * 4 = 138 bytes;
     - headers 2 elements per gather, counts 2 per unit in backward.
     """
     from shardwrap import estimate as est
@@ -252,18 +253,19 @@ def test_collectives_formula_at_a_hand_checkable_size():
     assert (ag["calls"], ag["forward_calls"], ag["backward_calls"], ag["elements"]) == (4, 3, 1, 32)
     assert ag["bytes"] == 4 * 32 and ag["wire_bytes"] == 7 * 32 * 4
     assert (rs["calls"], rs["elements"], rs["wire_bytes"]) == (3, 184, 7 * 23 * 4)
-    assert (ar["calls"], ar["elements"], ar["wire_bytes"]) == (3, 20, 120)
+    assert (ar["calls"], ar["elements"], ar["wire_bytes"]) == (3, 23, 138)
     assert f["counter"] == {"all_gather": 32, "all_gather_calls": 4, "reduce_scatter": 184, "reduce_scatter_calls": 3,
                             "headers": 8, "headers_calls": 4, "counts": 6, "counts_calls": 3,
-                            "replicate_all_reduce": 20, "replicate_all_reduce_calls": 3,
-                            "bytes": 4 * (32 + 184 + 20) + 8 * (8 + 6)}
+                            "replicate_all_reduce": 23, "replicate_all_reduce_calls": 3,
+                            "bytes": 4 * (32 + 184 + 23) + 8 * (8 + 6)}
     first = est.collectives_formula(units, 22, mesh, "none", 3, first_step=True)["shard"]["all_gather"]
     assert (first["calls"], first["elements"]) == (5, 39)  # the last unit is gathered again
     for stage in (1, 2):  # no gathers in backward
         assert est.collectives_formula(units, 22, mesh, "none", stage)["shard"]["all_gather"]["elements"] == 25
     bf16 = est.collectives_formula(units, 22, mesh, "bf16", 3)
-    assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 60
-    assert est.collectives_formula(units, 22, est.Mesh(1, 8), "none", 3)["replicate"] == {}  # R = 1: nothing to reduce
+    assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 69
+    one = est.collectives_formula(units, 22, est.Mesh(1, 8), "none", 3)["replicate"]["replicate_all_reduce"]
+    assert one["elements"] == 23 and one["wire_bytes"] == 0  # R = 1: issued (a 2-D mesh), nothing crosses
 
 
 @pytest.mark.parametrize("model,mesh", [("llama-7b", "8x512"), ("llama-70b", "16x256")])
@@ -290,8 +292,8 @@ def test_mesh_formula_is_the_ideal_one_plus_padding_and_tags(model, mesh, capsys
     last = _padded_shards(model, S)[-1][0]
     assert ag["elements"] == pytest.approx(forward_pass + forward_pass - (root + 1) - (last + 1))
     assert ag["wire_bytes"] == pytest.approx(2 * (S - 1) * ag["elements"])
-    assert ar["elements"] == pytest.approx(psi / S + pad)
-    assert ar["wire_bytes"] == pytest.approx(2 * 2 * (R - 1) / (R * S) * (psi + S * pad))
+    assert ar["elements"] == pytest.approx(psi / S + pad + U)  # the used-flags
+    assert ar["wire_bytes"] == pytest.approx(2 * 2 * (R - 1) / (R * S) * (psi + S * (pad + U)))
 
 
 @pytest.mark.parametrize("mesh", ["8x128", "16x256"])  # W = 1,024 and 4,096
@@ -299,7 +301,7 @@ def test_simulated_hybrid_step_matches_the_formula_exactly(mesh):
     """A real wrap on a fake R x S mesh and two real training steps: rank 0's shards are the
     padded sizes at S, and the collectives counted per axis equal the formula to the element."""
     R, S = (int(x) for x in mesh.split("x"))
-    r = estimate("--model", "gpt2", "--mesh", mesh, "--mixed-precision", "bf16", "--simulate")
+    r = estimate("--model", "gpt2", "--mesh", mesh, "--mixed-precision", "bf16", "--simulate", "--steps", "2")
     sim, psi = r["simulated"], r["psi"]
     padded = _padded_shards("gpt2", S)
     assert sim["psi"] == psi and sim["units"] == 13
@@ -310,9 +312,10 @@ def test_simulated_hybrid_step_matches_the_formula_exactly(mesh):
     assert sim["padding_elements_per_rank"] > 0  # the vocabulary's 50257 rows
     step = sim["step"]
     want = r["collectives_formula"]["3"]["counter"]
-    assert step["counter"] == want, (step["counter"], want)
-    assert step["first_counter"] == r["collectives_formula_first_step"]["counter"]
-    assert want["replicate_all_reduce"] == sum(g for _, g in padded)
+    first, second = step["counters"]
+    assert second == want, (second, want)
+    assert first == r["collectives_formula_first_step"]["counter"], first
+    assert want["replicate_all_reduce"] == sum(g + 1 for _, g in padded)
     assert want["all_gather"] == 2 * sum(n + 1 for n, _ in padded) - (padded[0][0] + 1) - (padded[-1][0] + 1)
     assert want["reduce_scatter"] == S * sum(g + 1 for _, g in padded)
     # after the step: fp32 master shards, gradient shards and AdamW state of rank 0
@@ -364,3 +367,22 @@ def test_mesh_and_world_size_agree_or_either_is_needed(capsys):
     ideal = alone["collectives_formula"][3]
     assert ideal["ideal"] and ideal["shard"]["all_gather"]["elements"] == pytest.approx(2 * 1e9 / 8)
     assert ideal["replicate"]["replicate_all_reduce"]["wire_bytes"] == pytest.approx(4 * 2 * 1e9 * 3 / 32)
+
+
+def test_a_simulated_step_that_cannot_fit_is_refused_before_it_starts(monkeypatch, capsys):
+    from shardwrap import estimate as est
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("simulate() ran")
+
+    monkeypatch.setattr(est, "_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(est, "simulate", no_simulation)
+    with pytest.raises(SystemExit) as exit_:  # 1.1 GiB of shards, a 1.6 GiB unit: the wrap alone fits
+        est.main(["--model", "llama-70b", "--mesh", "16x256", "--mixed-precision", "bf16", "--simulate"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--mesh 16x256 with --simulate: the simulated training step needs" in err, err
+    need = est.step_memory(est.SHAPES["llama-70b"], 256, "bf16")
+    assert need > 16 * 2**30 and f"{need / 2**30:.1f} GiB" in err
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--model", "gpt2", "--world-size", "8", "--steps", "2"])
+    assert exit_.value.code == 2 and "argument --steps: the simulated steps need --simulate and --mesh" in capsys.readouterr().err

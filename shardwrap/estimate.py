@@ -3,11 +3,24 @@
     python -m shardwrap.estimate --model llama-7b --world-size 1024 --mixed-precision bf16 --simulate
     python -m shardwrap.estimate --params 1.3e9 --world-size 8
     python -m shardwrap.estimate --model gpt2-xl --world-size 2 --offload disk
+    python -m shardwrap.estimate --model llama-7b --mesh 8x512 --mixed-precision bf16 --simulate
 
 The formula counts AdamW (8 bytes of state per parameter) over fp32 master shards. ``--simulate``
 builds the model on the meta device and wraps it with ``ShardedModule`` under torch's fake process
 group at that world size (collectives do nothing, nothing is initialized), then reports the real
 shard sizes and padding of rank 0.
+
+``--mesh RxS`` is a hybrid mesh (``init_device_mesh(..., (R, S), mesh_dim_names=("replicate",
+"shard"))``, R * S ranks; ``--world-size``, if given too, must equal R * S). Each rank holds the
+1-D model state at S (16 Psi / S for fp32 AdamW), padded as the layout at S pads it. It adds the
+collectives of one training step per mesh axis (``collectives_formula``): the all-gathers and
+reduce-scatters over "shard", the gradient all-reduce over "replicate", each as
+``count_collectives()`` counts it (input elements per rank) and as bytes on the wire. With
+``--simulate`` the wrap gets that 2-D mesh on a fake world of R * S ranks, and rank 0 then runs
+``--steps`` real training steps (default 1; AdamW on an empty sequence: every unit's forward,
+backward and reduction runs, the arithmetic does not) under ``count_collectives()``; the last step's
+counts are printed beside the formula's and must equal them (``train_steps``). The collectives are
+counted from the real code, not computed: the formula is checked against them.
 
 ``--offload cpu|disk`` (``ShardedModule(offload=Offload(...))``) splits each stage's model state
 by where it lives, per rank (``offload_formula``):

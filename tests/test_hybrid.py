@@ -225,14 +225,18 @@ def on_ranks_overlap(c: Case) -> dict:
     seen: list[int] = []
     finish = model._finish_backward
 
+    held: list[int] = []
+
     def at_end_of_backward() -> None:
         seen.append(counted["replicate_all_reduce_calls"])
+        # a unit whose reduce-scatter finished waits for its all-reduce holding only its shard
+        held.append(sum(1 for u in model.units if u._reduction is not None and u._reduction.shard_done and u._reduction.input is not None))
         finish()
 
     model._finish_backward = at_end_of_backward
     with count_collectives() as counted:
         loss_fn(c, model, batch).backward()
-    return {"before_end": seen, "total": counted["replicate_all_reduce_calls"], "units": len(model.units)}
+    return {"before_end": seen, "held": held, "total": counted["replicate_all_reduce_calls"], "units": len(model.units)}
 
 
 def test_replica_all_reduces_start_while_backward_runs():
@@ -241,3 +245,4 @@ def test_replica_all_reduces_start_while_backward_runs():
     for r in run_on_ranks(4, on_ranks_overlap, case(build_kwargs={"dim": 16, "depth": 5}, stage=3, mesh=(2, 2))):
         assert r["total"] == r["units"], r
         assert r["before_end"] and r["before_end"][0] >= 1, r
+        assert r["held"] == [0], "a full unit gradient is kept while its all-reduce over replicas waits"

@@ -180,7 +180,7 @@ class _Reduction:
 
     work: collectives.Work | None
     output: torch.Tensor
-    input: torch.Tensor  # must live until the collective completes
+    input: torch.Tensor | None  # must live until the collective completes (then dropped: it is the unit's full gradient)
     done: Callable[[], bool] | None
     used_here: bool  # this rank's backward reached the unit
     shard_done: bool = False  # the reduce-scatter over the shard axis finished (hybrid: the all-reduce follows)
@@ -915,7 +915,7 @@ class Unit:
         if isinstance(r.done, _WaiterProbe):
             collectives.wait(r.done, what)  # never wait on one Work from two threads at once
         collectives.wait(r.work, what)  # on NCCL this orders the current stream after the collective
-        r.shard_done = True
+        r.shard_done, r.input = True, None  # hybrid waits for the all-reduce: free the full gradient now
 
     @property
     def shard_reduced(self) -> bool:

@@ -459,7 +459,10 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_loadable(tmp_
     # the next successful save removes every leftover and publishes at the path
     run_on_ranks(2, on_ranks_save, MLP, path, 4)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], (leftovers, os.listdir(tmp_path))
-    assert leftovers, f"killed at '{point}' left nothing beside the checkpoint: the kill came too late"
+    # Killed while every rank writes, the survivor's failed write may remove the temporary
+    # directory before the kill is seen here; later points leave it to the next save. Either way
+    # the load above got the first checkpoint, so the kill came before anything was published.
+    assert leftovers or point in ("writing", "written"), f"killed at '{point}' left nothing beside the checkpoint: the kill came too late"
 
 
 # ---- background saves ---------------------------------------------------------------------------

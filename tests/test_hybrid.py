@@ -214,3 +214,35 @@ def on_ranks_bad_mesh(kind: str) -> str:
 def test_bad_meshes_are_refused_with_the_call_to_make(kind, words):
     for message in run_on_ranks(4, on_ranks_bad_mesh, kind):
         assert words in message, message
+
+
+def on_ranks_overlap(c: Case) -> dict:
+    from shardwrap.collectives import count_collectives
+
+    model, _ = make(c)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = {k: v.chunk(world)[rank] for k, v in global_batch(c, 0).items()}
+    seen: list[int] = []
+    finish = model._finish_backward
+
+    held: list[int] = []
+
+    def at_end_of_backward() -> None:
+        seen.append(counted["replicate_all_reduce_calls"])
+        # a unit whose reduce-scatter finished waits for its all-reduce holding only its shard
+        held.append(sum(1 for u in model.units if u._reduction is not None and u._reduction.shard_done and u._reduction.input is not None))
+        finish()
+
+    model._finish_backward = at_end_of_backward
+    with count_collectives() as counted:
+        loss_fn(c, model, batch).backward()
+    return {"before_end": seen, "held": held, "total": counted["replicate_all_reduce_calls"], "units": len(model.units)}
+
+
+def test_replica_all_reduces_start_while_backward_runs():
+    """The all-reduces over replicas are not all left to the end of backward: with one
+    reduce-scatter in flight at most, each older unit's is started as soon as its turn comes."""
+    for r in run_on_ranks(4, on_ranks_overlap, case(build_kwargs={"dim": 16, "depth": 5}, stage=3, mesh=(2, 2))):
+        assert r["total"] == r["units"], r
+        assert r["before_end"] and r["before_end"][0] >= 1, r
+        assert r["held"] == [0], "a full unit gradient is kept while its all-reduce over replicas waits"

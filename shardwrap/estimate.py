@@ -459,26 +459,17 @@ def unit_layouts(shape: Shape, shards: int) -> list[FlatLayout]:
     return [FlatLayout([n for n, _ in g], [p for _, p in g], shards) for g in groups]
 
 
-# The hybrid core keeps each unit's reduce-scatter input (its padded unsharded gradient, rank-major,
-# in the reduce dtype) from the reduce-scatter until the end of backward, where the all-reduces over
-# replicas are waited for (unit.py: Unit.finish_shard_reduction leaves ``_Reduction.input`` alive):
-# p Psi more at the peak of a step on a 2-D mesh. False once it drops the input after the wait.
-HYBRID_HOLDS_REDUCE_INPUTS = True
-
-
-def step_memory(shape: Shape, shards: int, precision: str, max_unsharded: int = 2, *, hybrid: bool = True) -> int:
+def step_memory(shape: Shape, shards: int, precision: str, max_unsharded: int = 2) -> int:
     """About what ``simulate``'s training step needs at S = ``shards``: rank 0's fp32 shards,
     gradient shards and AdamW state (16 bytes a shard element), and, in the compute dtype, the
     ``max_unsharded + 1`` largest padded units gathered at once (the root stays gathered through
     the forward) with their unsharded gradients, and the buffers of one gather and one
-    reduce-scatter (the rank-major copies) and of autograd's per-parameter gradients. On a 2-D
-    mesh (``hybrid``), while ``HYBRID_HOLDS_REDUCE_INPUTS``, every unit's reduce-scatter input too.
-    (Llama-7B at 8x512 in bf16: 4.2 GiB without that term, 2.6 GiB peak RSS measured.)"""
+    reduce-scatter (the rank-major copies) and of autograd's per-parameter gradients. Llama-7B at
+    8x512 in bf16: 4.2 GiB (2.6 GiB peak RSS measured); Llama-70B at 16x256: 18.4 (11.4 measured)."""
     layouts = unit_layouts(shape, shards)
     p = _compute_bytes(precision)
     by_size = sorted((la.padded_unsharded_numel for la in layouts), reverse=True)
-    held = p * sum(la.padded_trainable_numel for la in layouts) if hybrid and HYBRID_HOLDS_REDUCE_INPUTS else 0
-    return 16 * sum(la.shard_numel for la in layouts) + p * (2 * sum(by_size[: max_unsharded + 1]) + 3 * by_size[0]) + held
+    return 16 * sum(la.shard_numel for la in layouts) + p * (2 * sum(by_size[: max_unsharded + 1]) + 3 * by_size[0])
 
 
 def _memory_bytes() -> int | None:
@@ -637,11 +628,9 @@ def main(argv: list[str] | None = None) -> dict:
                      f"or drop --simulate (the formula needs no memory)")
         if mesh is not None and have is not None and (need := step_memory(SHAPES[args.model], shards, args.mixed_precision,
                                                                           args.max_unsharded)) > have:
-            held = " and, as the hybrid core stands, every unit's reduce-scatter input until the end of backward" \
-                if HYBRID_HOLDS_REDUCE_INPUTS else ""
             ap.error(f"--model {args.model} {size} with --simulate: the simulated training step needs about "
                      f"{need / GiB:.1f} GiB (rank 0's shards, gradients and AdamW state, the units gathered at "
-                     f"once{held}), more than this machine's {have / GiB:.1f} GiB; simulate a larger S, or drop "
+                     f"once), more than this machine's {have / GiB:.1f} GiB; simulate a larger S, or drop "
                      f"--simulate (the formula needs no memory)")
         result["simulated"] = simulate(SHAPES[args.model], args.world_size, args.mixed_precision, args.offload,
                                        args.max_unsharded, mesh=mesh, steps=args.steps or 1)

@@ -283,7 +283,7 @@ def collectives_formula(
     - reduce-scatter over "shard": each unit with trainable parameters once, input S (g + 1)
       (the gradient, rank-major, and a used-flag per rank: the counter), on the wire
       (S - 1)(g + 1) p bytes sent per rank (ring).
-    - gradient all-reduce over "replicate" (any 2-D mesh, R = 1 too): each trainable unit's
+    - gradient all-reduce over "replicate" (R > 1; one replica issues none): each trainable unit's
       reduce-scatter output, its padded gradient shard and the used-flag, g + 1 elements (the
       counter), ring 2 (R - 1) / R (g + 1) p bytes sent per rank; Psi / S and
       2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
@@ -316,7 +316,8 @@ def collectives_formula(
     if not ideal and R * S > 1:
         shard_axis["counts"] = row(U, 2 * U, 8, 2 * (S - 1) * U)
     reduced = sum(g + tag for g in trainable)
-    replicate_axis = {"replicate_all_reduce": row(len(trainable), reduced, p, 2 * (R - 1) / R * reduced)}
+    # one replica (R = 1): no all-reduce over the replicate axis (the core skips it)
+    replicate_axis = {"replicate_all_reduce": row(len(trainable), reduced, p, 2 * (R - 1) / R * reduced)} if R > 1 else {}
     counter: dict[str, float] = {}
     for axis in (shard_axis, replicate_axis):
         for kind, r in axis.items():

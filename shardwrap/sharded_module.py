@@ -539,7 +539,8 @@ class ShardedModule(nn.Module):
         if self.mesh.ndim == 2:  # hybrid: shard over the last axis, replicate over the first
             replicate_axis, shard_axis = self.mesh.mesh_dim_names or ("", "")
             self.shard_mesh = self.mesh[shard_axis]
-            self.replicate_group: collectives.Group | None = self.mesh[replicate_axis].get_group()
+            replicas = self.mesh[replicate_axis]  # one replica (R = 1): nothing to all-reduce
+            self.replicate_group: collectives.Group | None = replicas.get_group() if replicas.size() > 1 else None
             self.world_group = collectives.default_group()  # the mesh covers every rank (checked)
             reduce_group = collectives.reduce_group_of_mesh(self.mesh)
         else:

@@ -80,7 +80,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from shardwrap import MixedPrecision, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap import MixedPrecision, ShardedModule, collectives, load_checkpoint, save_checkpoint
 from shardwrap.unit import local_of
 
 # ---- processes and devices --------------------------------------------------------------------
@@ -224,13 +224,6 @@ t0, tokens = time.perf_counter(), 0
 first_loss = last_loss = float("nan")
 
 
-def lost_a_peer(exc: BaseException) -> bool:
-    """Did a collective fail because another rank's process went away? gloo reports the closed
-    connection at once; nccl reports a remote error, or times out."""
-    return any(s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                        "remote process exited", "ncclRemoteError"))
-
-
 @record  # under torchrun a failed rank's error goes into the failure summary, not "error_file: <N/A>"
 def train() -> None:
     global step, epoch, skip, tokens, first_loss, last_loss
@@ -306,7 +299,7 @@ def train() -> None:
                 torch.save(final, args.final_state)
         dist.barrier()  # let every rank finish its last collective before tearing the groups down
     except Exception as exc:
-        if not lost_a_peer(exc):
+        if not collectives.lost_a_peer(exc):  # shardwrap.PeerLost, or torch's own wording outside shardwrap's waits
             raise
         node, when = os.environ.get("GROUP_RANK", "?"), f"in step {step + 1}" if step < args.steps else "after the last step"
         raise RuntimeError(

@@ -11,6 +11,7 @@ from shardwrap.checkpoint import (
     save_checkpoint,
     save_full,
 )
+from shardwrap.collectives import CollectiveTimeout, PeerLost
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import Offload
 from shardwrap.sharded_module import ShardedModule
@@ -27,5 +28,7 @@ __all__ = [
     "DamagedCheckpointError",
     "UnsafeCheckpointError",
     "UnverifiedCheckpointWarning",
+    "CollectiveTimeout",
+    "PeerLost",
     "ShardedModule", "Stage", "MixedPrecision", "Offload", "SizePolicy", "ModuleTypePolicy", "CallablePolicy", "WrapPolicy"]
 __version__ = "0.1.0"

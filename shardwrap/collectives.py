@@ -237,18 +237,40 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the process group's timeout."""
 
 
+class PeerLost(RuntimeError):
+    """A collective failed because another rank's process went away: its connection closed
+    (killed, out of memory, crashed, or its node or the network went down)."""
+
+
+# How the backends say that a peer's connection went: gloo at once, nccl as a remote error.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a collective) says that another rank's process went away."""
+    return isinstance(exc, PeerLost) or any(s in str(exc) for s in PEER_GONE)
+
+
 class Waitable(Protocol):
     def wait(self) -> Any: ...
 
 
 def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
     """Block until ``work`` finished (on NCCL: order the current stream after it). A timeout is
-    re-raised as ``CollectiveTimeout`` naming ``what`` (the unit, the collective, the step)."""
+    re-raised as ``CollectiveTimeout`` and a peer's closed connection as ``PeerLost``, each naming
+    ``what`` (the unit, the collective, the step)."""
     if work is None:
         return
     try:
         work.wait()
     except RuntimeError as exc:
+        if what and lost_a_peer(exc):
+            raise PeerLost(
+                f"rank {rank()}: {what} failed: another rank's process went away (killed, out of memory, "
+                f"crashed, or its node or the network went down). Its own log, or the scheduler's, says why; "
+                f"this error follows from it. Restart the job from the last checkpoint "
+                f"(shardwrap.save_checkpoint / load_checkpoint) ({exc})"
+            ) from exc
         if not what or "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
         raise CollectiveTimeout(

@@ -290,3 +290,37 @@ def test_a_stalled_rank_gives_a_timeout_error_naming_the_unit_and_collective():
     messages = run_on_ranks(2, on_ranks_stalled_rank, timeout=60, pg_timeout=2)
     assert "all-gather of unit '<root>' in forward of step 1" in messages[0], messages
     assert "did not complete within the process group's timeout" in messages[0] and "init_process_group(timeout=" in messages[0], messages
+
+
+def on_ranks_dead_peer(path: str) -> None:
+    """Rank 1 dies (its process ends, its connections close) after one step; rank 0 goes on and
+    writes the error it gets to ``path``."""
+    import os
+
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block})
+    model(torch.randn(2, 16)).sum().backward()
+    if dist.get_rank() == 1:
+        os._exit(1)
+    try:
+        for _ in range(3):
+            model(torch.randn(2, 16)).sum().backward()
+        message = "no error"
+    except RuntimeError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    with open(path, "w") as f:
+        f.write(message)
+
+
+def test_a_dead_peer_gives_a_clear_error_naming_the_collective(tmp_path):
+    """gloo reports the closed connection at once; shardwrap says what it means, naming the unit,
+    the collective and the step, instead of gloo's bare 'Connection reset by peer'."""
+    from harness import RankTimeout
+
+    path = str(tmp_path / "rank0.txt")
+    with pytest.raises(RankTimeout, match="died"):
+        run_on_ranks(2, on_ranks_dead_peer, path, timeout=60, fresh=True)
+    message = open(path).read()
+    assert message.startswith("PeerLost: rank 0: the "), message
+    assert "of unit '" in message and "of step 2" in message and "another rank's process went away" in message, message

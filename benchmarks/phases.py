@@ -1,0 +1,92 @@
+"""Where a GPT-2 step's time goes: forward, backward and the optimizer step, per implementation,
+interleaved in one run (rank 0's medians).
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/phases.py --rounds 8
+
+"shardwrap s3 no-header" turns off the 16-byte header all-gather before each data all-gather
+(``Unit._check_in_step``, design/notes/rank-agreement.md) to measure what that round trip costs;
+it is not a supported mode (ranks that diverge would then abort in gloo instead of raising).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--impls", default="fully_shard,shardwrap s3,shardwrap s3 no-header,fsdp1,ddp")
+p.add_argument("--rounds", type=int, default=8)
+p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round (after 2 warm-up)")
+args = p.parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy  # noqa: E402
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import models  # noqa: E402  (tests/models.py: GPT-2 from a config, random weights)
+from common import apply_fully_shard  # noqa: E402
+from shardwrap import ShardedModule  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
+BLOCK = models.gpt2_block_class()
+
+
+def wrap(impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = models.gpt2(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=128)
+    if impl == "ddp":
+        model = DDP(model)
+    elif impl == "fsdp1":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({BLOCK}), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                     device_id=torch.device("cpu"), use_orig_params=True)
+    elif impl == "fully_shard":
+        model = apply_fully_shard(model, {BLOCK}, True)
+    elif impl.startswith("shardwrap s"):
+        model = ShardedModule(model, auto_wrap_policy={BLOCK}, stage=int(impl.split()[1][1]))
+        if impl.endswith("no-header"):
+            for unit in model.units:
+                unit._check_in_step = lambda: None  # type: ignore[method-assign]
+    else:
+        p.error(f"unknown implementation {impl!r}")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 256, (4 * world, 128), generator=g).chunk(world)[rank]
+
+
+impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+built = {i: wrap(i) for i in impls}
+times: dict[str, dict[str, list[float]]] = {i: {"forward": [], "backward": [], "optimizer": [], "step": []} for i in impls}
+for _ in range(args.rounds):
+    for impl in impls:
+        model, opt = built[impl]
+        for step in range(2 + args.steps):
+            x = batch(step)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = model(input_ids=x, labels=x).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            if step >= 2:
+                for key, ms in zip(("forward", "backward", "optimizer", "step"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                    times[impl][key].append(ms * 1000)
+if rank == 0:
+    print(f"\nGPT-2 (4 x 256), W={world}, rank 0, median ms over {args.rounds} interleaved rounds x {args.steps} steps\n")
+    print("| implementation | forward | backward | optimizer | step |\n|---|---|---|---|---|")
+    for impl in impls:
+        print(f"| {impl} | " + " | ".join(f"{statistics.median(v):.1f}" for v in times[impl].values()) + " |")
+dist.destroy_process_group()

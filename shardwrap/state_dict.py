@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from shardwrap import collectives
 from shardwrap.flat_param import ParamSlot
@@ -32,7 +32,7 @@ def _is_param_state(key: str, value: Any, slot: ParamSlot) -> bool:
 def as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
     """``local`` (this rank's chunk of something shaped like the parameter of ``slot``) as a
     DTensor placed like that parameter."""
-    return DTensor.from_local(local, model.mesh, model.units[0].placements(slot.replicated), run_check=False, shape=slot.shape, stride=slot.stride)
+    return model.units[0].as_dtensor(local, slot)  # every unit places alike: the mesh's placements
 
 
 def _local_chunk(value: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> torch.Tensor:

@@ -374,7 +374,7 @@ def _optim_template(
     if not entries:
         return {}, ["it holds no optimizer state: pass optimizer=None to load the model alone"]
     index = state_dict.optimizer_slots(model, optimizer)
-    rank = model.world_rank
+    rank = model.shard_rank  # which rows of each parameter (and of its state) this rank holds
     template: dict[str, Any] = {"state": {}, "param_groups": []}
     unknown: list[str] = []
     problems: list[str] = []
@@ -388,8 +388,8 @@ def _optim_template(
             slot = index[name][1]
             if isinstance(entry, TensorStorageMetadata):
                 size, dtype = tuple(entry.size), entry.properties.dtype
-                if size and size != tuple(slot.shape):
-                    problems.append(f"shape mismatch for optimizer state '{name}'.{key}: checkpoint {size} vs parameter {tuple(slot.shape)}")
+                if size and size != tuple(slot.full_shape):
+                    problems.append(f"shape mismatch for optimizer state '{name}'.{key}: checkpoint {size} vs parameter {tuple(slot.full_shape)}")
                     continue
                 if size:  # saved as a Shard(0) DTensor of the parameter's full shape
                     value = state_dict.as_dtensor(torch.empty(slot.sharded_shape(rank), dtype=dtype), slot, model)

@@ -411,11 +411,12 @@ def reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _REDUCE_GROUPS[ranks]
 
 
-def reduce_group_of_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """``reduce_group_for`` the shard axis (the last) of a 2-D mesh: every rank creates the reduce
-    group of every row, in the same order (``new_group`` is collective over the default group),
-    and keeps its own."""
-    rows = [tuple(int(r) for r in row) for row in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()]
+def reduce_group_of_mesh(mesh: DeviceMesh, axis: int = -1) -> dist.ProcessGroup:
+    """``reduce_group_for`` the shard axis of a 2-D mesh (the last for hybrid sharding, the first
+    for (dp, tp)): every rank creates the reduce group of every line of ranks along that axis, in
+    the same order (``new_group`` is collective over the default group), and keeps its own."""
+    lines = mesh.mesh.movedim(axis, -1)
+    rows = [tuple(int(r) for r in row) for row in lines.reshape(-1, lines.shape[-1]).tolist()]
     me = dist.get_rank()
     mine = None
     for ranks in rows:

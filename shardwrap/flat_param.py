@@ -19,9 +19,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a parameter that arrived as a DTensor on a tensor-parallel mesh is split there
+    (design/notes/tensor-parallel.md). The flat parameter holds its local TP shard, which is then
+    sharded over the data-parallel mesh like any parameter."""
+
+    mesh: DeviceMesh  # the 1-D tensor-parallel mesh
+    placements: tuple[Placement, ...]  # on ``mesh``: Shard(d) or Replicate()
+    shape: torch.Size  # the parameter's global shape
+    stride: tuple[int, ...]  # and its global stride
+
+    @property
+    def replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def view(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's TP shard, or a tensor shaped like it) as the TP DTensor the
+        module's own forward (and its TP hooks) expect. Differentiable: the gradient of the DTensor
+        reaches ``local`` as a local gradient."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP shard of the global tensor ``full`` (no communication)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, self.mesh, self.placements, src_data_rank=None).to_local()
+
+    def full_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every TP rank's ``local`` (a collective over the TP mesh)."""
+        return self.view(local).full_tensor()
 
 
 @dataclass(frozen=True)
@@ -34,6 +73,12 @@ class ParamSlot:
     inner: int  # numel of one row (product of the trailing dims)
     shard_offset: int  # offset of this parameter's chunk inside a rank's flat shard
     requires_grad: bool
+    tp: TensorParallel | None = None  # a TP DTensor parameter: ``shape`` is its local TP shard's
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The parameter's shape in the unwrapped model (its global shape under TP)."""
+        return self.tp.shape if self.tp is not None else self.shape
 
     @property
     def dim0(self) -> int:
@@ -79,16 +124,21 @@ class FlatLayout:
     ``grad_shard_numel`` elements per rank, and frozen parameters take no gradient memory.
     """
 
-    def __init__(self, fqns: Sequence[str], params: Sequence[torch.Tensor], world_size: int) -> None:
+    def __init__(
+        self, fqns: Sequence[str], params: Sequence[torch.Tensor], world_size: int,
+        tp: Sequence[TensorParallel | None] | None = None,
+    ) -> None:
+        """``params`` are plain tensors (a TP parameter's local shard, with ``tp`` saying how it
+        is split)."""
         self.world_size = world_size
         slots: list[ParamSlot] = []
         offset = 0
-        for fqn, p in zip(fqns, params):
+        for j, (fqn, p) in enumerate(zip(fqns, params)):
             shape = p.shape
             dim0 = shape[0] if len(shape) > 0 else 1
             inner = math.prod(shape[1:]) if len(shape) > 1 else 1
             rows = -(-dim0 // world_size)  # ceil division
-            slots.append(ParamSlot(fqn, shape, rows, inner, offset, p.requires_grad))
+            slots.append(ParamSlot(fqn, shape, rows, inner, offset, p.requires_grad, tp[j] if tp else None))
             offset += rows * inner
         self.slots = slots
         self.shard_numel = offset

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import agreement, collectives, local_step
 from shardwrap import state_dict as _sd
-from shardwrap.flat_param import FlatLayout
+from shardwrap.flat_param import FlatLayout, TensorParallel
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
@@ -276,7 +276,10 @@ def _share_rng_state(group: collectives.Group, device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
+_HYBRID_AXES = (("replicate", "dp_replicate"), ("shard", "dp_shard"))  # the names a 2-D mesh's axes may have
+
+
+def _check_mesh(mesh: DeviceMesh, device: torch.device, tp_size: int = 1) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"ShardedModule: mesh={mesh!r} is not a torch.distributed DeviceMesh")
     if mesh.ndim > 2:
@@ -290,18 +293,107 @@ def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
             "ShardedModule: a 2-D mesh for hybrid sharding needs axis names: build it with "
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
+    if mesh.ndim == 2:
+        names = tuple(mesh.mesh_dim_names or ())
+        wrong = [(i, n, want) for i, (n, want) in enumerate(zip(names, _HYBRID_AXES)) if n not in want]
+        if wrong:
+            i, name, want = wrong[0]
+            raise ValueError(
+                f"ShardedModule: axis {i} of the 2-D mesh is named '{name}', but shardwrap reads a 2-D mesh as "
+                f"(replicate, shard) and axis {i} must be one of {list(want)}. For hybrid sharding build "
+                f"init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard')); for "
+                f"tensor parallelism parallelize the model on mesh['tp'] and pass mesh=mesh['dp']"
+            )
     if mesh.device_type != device.type:
         raise ValueError(
             f"ShardedModule: mesh is on device type '{mesh.device_type}' but the model's parameters "
             f"are on {device}; build the mesh with init_device_mesh('{device.type}', ...)"
         )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"ShardedModule: rank {collectives.rank()} is not part of the given mesh {mesh}")
-    if mesh.size() != collectives.world_size():
+    if mesh.size() * tp_size != collectives.world_size():  # tp_size > 1 was checked in _tensor_parallel_meshes
         raise ValueError(
             f"ShardedModule: mesh has {mesh.size()} ranks but the default process group has "
             f"{collectives.world_size()}; pass a mesh over every rank, or leave mesh=None"
         )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"ShardedModule: rank {collectives.rank()} is not part of the given mesh {mesh}; pass a mesh over every rank")
+
+
+def _tensor_parallel_meshes(plans: list[_UnitPlan], mesh: DeviceMesh | None, offload: Offload | None) -> tuple[DeviceMesh, DeviceMesh] | None:
+    """Parameters that are already DTensors come from tensor parallelism (``parallelize_module``
+    on a TP mesh): check they compose with sharding over ``mesh`` and return ``(tp_mesh, the 2-D
+    (dp, tp) mesh)``, or None without any (design/notes/tensor-parallel.md). Pure; may raise."""
+    found = [(fqn, p) for plan in plans for fqn, p in zip(plan.fqns, plan.params) if isinstance(p, DTensor)]
+    if not found:
+        return None
+    fqn, first = found[0]
+    tp_mesh = first.device_mesh
+    for other_fqn, p in found:
+        if p.device_mesh != tp_mesh:
+            raise ValueError(
+                f"ShardedModule: parameters '{fqn}' and '{other_fqn}' are DTensors on different meshes "
+                f"({tp_mesh} and {p.device_mesh}); parallelize the model on one tensor-parallel mesh"
+            )
+        if any(not (pl.is_replicate() or type(pl) is Shard) for pl in p.placements):
+            raise ValueError(
+                f"ShardedModule: parameter '{other_fqn}' is a DTensor placed {p.placements}; shardwrap "
+                f"shards tensor-parallel parameters placed Shard(dim) or Replicate() (what "
+                f"ColwiseParallel, RowwiseParallel and SequenceParallel make)"
+            )
+    name = (tp_mesh.mesh_dim_names or ("tp",))[0]
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"ShardedModule: parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; shardwrap composes with "
+            f"tensor parallelism on one axis: parallelize the model on mesh['{name}']"
+        )
+    hint = (
+        f"build mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize the "
+        f"model on mesh['tp'] and pass ShardedModule(..., mesh=mesh['dp'])"
+    )
+    if mesh is None or mesh.ndim != 1:
+        what = "no mesh" if mesh is None else f"a {mesh.ndim}-D mesh {mesh.mesh_dim_names}"
+        raise ValueError(
+            f"ShardedModule: parameter '{fqn}' is a DTensor on the tensor-parallel mesh '{name}' but "
+            f"ShardedModule got {what}; with tensor parallelism pass the data-parallel axis of the same "
+            f"2-D mesh (hybrid sharding does not compose with it): {hint}"
+        )
+    try:
+        spmd = DeviceMesh._concatenate([mesh, tp_mesh])  # torch's fully_shard builds its 2-D mesh alike
+    except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"ShardedModule: the data-parallel mesh {mesh.mesh_dim_names} and the tensor-parallel mesh of "
+            f"parameter '{fqn}' are not two axes of one mesh ({exc}); {hint}"
+        ) from None
+    if spmd.size() != collectives.world_size():
+        raise ValueError(
+            f"ShardedModule: data-parallel mesh ({mesh.size()} ranks) times tensor-parallel mesh "
+            f"({tp_mesh.size()} ranks) is {spmd.size()} ranks, but the default process group has "
+            f"{collectives.world_size()}; {hint}"
+        )
+    if offload is not None and offload.enabled:
+        raise ValueError(
+            f"ShardedModule: offload with tensor-parallel parameters (such as '{fqn}') is not supported; "
+            f"drop offload= or the tensor parallelism"
+        )
+    if any(p.is_meta for _, p in found):
+        raise ValueError(
+            f"ShardedModule: tensor-parallel parameter '{fqn}' is on the meta device; materialize the "
+            f"model (and parallelize it) before wrapping"
+        )
+    return tp_mesh, spmd
+
+
+def _tp_of(p: torch.Tensor) -> TensorParallel | None:
+    if not isinstance(p, DTensor):
+        return None
+    return TensorParallel(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+
+
+def _local_of_tp(p: torch.Tensor) -> torch.Tensor:
+    """A TP parameter's local shard as a plain tensor that keeps ``requires_grad`` (what the flat
+    layout reads); any other parameter as it is."""
+    if not isinstance(p, DTensor):
+        return p
+    return p._local_tensor.detach().requires_grad_(p.requires_grad)
 
 
 _DDP_CONSTRUCTOR = DistributedDataParallel.__init__.__code__
@@ -511,6 +603,7 @@ class ShardedModule(nn.Module):
         if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
             described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
             agreement.check_same_model(described, collectives.default_group())
+        tensor_parallel = _tensor_parallel_meshes(plans, mesh, offload)
         if offload is not None and offload.optimizer == "disk":  # every rank learns every rank's problem
             elements = sum(FlatLayout(p.fqns, p.params, collectives.world_size()).shard_numel + 1 for p in plans)
             try:
@@ -527,7 +620,7 @@ class ShardedModule(nn.Module):
         if init_device is not None:
             device = init_device
         if mesh is not None:
-            _check_mesh(mesh, device)
+            _check_mesh(mesh, device, tensor_parallel[0].size() if tensor_parallel else 1)
 
         # --- build ---
         super().__init__()
@@ -536,18 +629,33 @@ class ShardedModule(nn.Module):
         self.switches = switches
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.mesh = mesh if mesh is not None else collectives.default_mesh(device.type)
-        if self.mesh.ndim == 2:  # hybrid: shard over the last axis, replicate over the first
+        # With tensor parallelism the parameters are DTensors on the 2-D (dp, tp) mesh, sharded over dp.
+        self.tp_mesh: DeviceMesh | None = tensor_parallel[0] if tensor_parallel else None
+        self.dtensor_mesh = tensor_parallel[1] if tensor_parallel else self.mesh
+        self.replicate_group: collectives.Group | None = None  # hybrid with R > 1: the replicate axis
+        if tensor_parallel:
+            self.shard_mesh = self.mesh
+            self.world_group = collectives.default_group()  # dp x tp covers every rank (checked)
+            reduce_group = collectives.reduce_group_of_mesh(self.dtensor_mesh, axis=0)
+        elif self.mesh.ndim == 2:  # hybrid: shard over the last axis, replicate over the first
             replicate_axis, shard_axis = self.mesh.mesh_dim_names or ("", "")
             self.shard_mesh = self.mesh[shard_axis]
             replicas = self.mesh[replicate_axis]  # one replica (R = 1): nothing to all-reduce
-            self.replicate_group: collectives.Group | None = replicas.get_group() if replicas.size() > 1 else None
+            self.replicate_group = replicas.get_group() if replicas.size() > 1 else None
             self.world_group = collectives.default_group()  # the mesh covers every rank (checked)
             reduce_group = collectives.reduce_group_of_mesh(self.mesh)
         else:
             self.shard_mesh = self.mesh
-            self.replicate_group = None
             self.world_group = self.mesh.get_group()
             reduce_group = collectives.reduce_group_for(self.world_group)
+        if self.mesh.ndim == 2 and self.shard_mesh.size() == 1 and switches.reshard_after_forward:
+            axis = (self.mesh.mesh_dim_names or ("", "shard"))[1]
+            warnings.warn(
+                f"ShardedModule: the shard axis '{axis}' of the mesh has 1 rank, so every rank holds the whole "
+                f"model: this is DDP, and stage 3 only adds an all-gather per unit. Use stage=1 (or DDP), or "
+                f"shard over more ranks",
+                stacklevel=2,
+            )
         group = self.shard_mesh.get_group()
         names = [p.name or "<root>" for p in plans]
         self._state = TrainingState.IDLE
@@ -568,12 +676,16 @@ class ShardedModule(nn.Module):
 
         def build(i: int) -> None:
             plan = plans[i]
+            tp = [_tp_of(p) for p in plan.params] if tensor_parallel else None
+            params = [_local_of_tp(p) for p in plan.params]  # TP: the local shards
             if self.mesh.size() > 1 and not on_meta:  # meta init already drew rank 0's numbers
-                collectives.broadcast_tensors(plan.params, self.world_group)  # one dtype per unit: one collective
+                # Over the data-parallel ranks only: TP ranks hold different shards.
+                init_group = self.shard_mesh.get_group() if tensor_parallel else self.world_group
+                collectives.broadcast_tensors(params, init_group)  # one dtype per unit: one collective
             unit = Unit(
-                root=self, name=names[i], index=i, unit_names=names, params=plan.params, fqns=plan.fqns,
+                root=self, name=names[i], index=i, unit_names=names, params=params, fqns=plan.fqns,
                 slots=plan.slots, mesh=self.shard_mesh, reduce_group=reduce_group, stage=switches,
-                dtensor_mesh=self.mesh, replicate_group=self.replicate_group,
+                dtensor_mesh=self.dtensor_mesh, replicate_group=self.replicate_group, tensor_parallel=tp,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
                 store=store,
             )
@@ -755,8 +867,8 @@ class ShardedModule(nn.Module):
 
     @property
     def world_size(self) -> int:
-        """R * S, every rank of the mesh."""
-        return self.mesh.size()
+        """R * S, every rank of the mesh (with tensor parallelism, dp * tp)."""
+        return self.dtensor_mesh.size()
 
     def unit_of(self, param: torch.Tensor) -> tuple[Unit, int] | None:
         """The unit owning the sharded parameter ``param`` and its index there, or None."""
@@ -941,11 +1053,16 @@ class ShardedModule(nn.Module):
                 "last micro-batch's backward outside no_sync(), then clip"
             )
         norm_type = float(norm_type)
-        group = self.shard_mesh.get_group()  # hybrid: every replica holds the same gradient
-        locals_ = [local_of(p.grad) for p in self.parameters() if p.grad is not None]
-        grads = [g for g in locals_ if g.numel() > 0]
-        first = self.shard_rank == 0
-        counted = [g for g in grads if g.dim() > 0 or first]  # 0-dim parameters are replicated: count once
+        # Hybrid: every replica holds the same gradient, so the shard axis sums it. With tensor
+        # parallelism every rank holds a different part: sum over all, counting each part once.
+        group = self.world_group if self.tp_mesh is not None else self.shard_mesh.get_group()
+        grads, counted = [], []
+        for p in self.parameters():
+            if p.grad is None or local_of(p.grad).numel() == 0:
+                continue
+            grads.append(local_of(p.grad))
+            if self._counts_in_norm(p):
+                counted.append(grads[-1])
         device = self._units[0].device
         if norm_type == float("inf"):
             local_max = torch.stack([g.abs().max().float() for g in counted]).max() if counted else torch.zeros((), device=device)
@@ -964,6 +1081,19 @@ class ShardedModule(nn.Module):
         for g in grads:
             g.mul_(clip.to(g.dtype))
         return total
+
+    def _counts_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank's local gradient of ``p`` is added into the norm: a part replicated
+        over the shard axis (a 0-dim parameter) or over the TP axis (a parameter TP leaves whole,
+        or one it does not parallelize) counts on the axis's first rank only."""
+        found = self.unit_of(p)
+        if found is None:  # not ours (a foreign tensor): count it as it is
+            return True
+        unit, i = found
+        placements = unit.placements_of(unit.layout.slots[i])
+        coordinate = list(self.dtensor_mesh.get_coordinate() or [])
+        first_axis = 0 if self.tp_mesh is not None else self.dtensor_mesh.ndim - 1  # hybrid: skip the replicate axis
+        return all(c == 0 for c, pl in list(zip(coordinate, placements))[first_axis:] if pl.is_replicate())
 
     # ---- state dicts (shardwrap/state_dict.py) ------------------------------------------------
 

@@ -26,7 +26,7 @@ def _is_param_state(key: str, value: Any, slot: ParamSlot) -> bool:
     """Whether an optimizer state entry is laid out like its parameter (momentum, Adam's moments),
     and so sharded like it. ``step`` is the one scalar torch's optimizers keep per parameter;
     torch's own ``Optimizer.load_state_dict`` singles it out the same way."""
-    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(slot.shape)
+    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(slot.full_shape)
 
 
 def as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> DTensor:
@@ -36,16 +36,20 @@ def as_dtensor(local: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> 
 
 
 def _local_chunk(value: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -> torch.Tensor:
-    """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W or mesh."""
-    if slot.replicated:
-        return (value.full_tensor() if isinstance(value, DTensor) else value).reshape(())
-    rank = model.shard_rank
+    """This rank's ``torch.chunk`` piece of a full tensor or of a DTensor saved at any W or mesh
+    (with tensor parallelism: the piece of this rank's TP shard)."""
+    unit = model.units[0]  # every unit places alike
     if isinstance(value, DTensor):
         local = value.to_local()
-        same_split = value.device_mesh.shape == model.mesh.shape and value.placements == model.units[0].placements()
-        if same_split and tuple(local.shape) == slot.sharded_shape(rank):
+        same_split = value.device_mesh.shape == unit.dtensor_mesh.shape and value.placements == unit.placements_of(slot)
+        if same_split and tuple(local.shape) == slot.sharded_shape(model.shard_rank):
             return local
         value = value.full_tensor()
+    if slot.tp is not None:
+        value = slot.tp.local_of(value)
+    if slot.replicated:
+        return value.reshape(())
+    rank = model.shard_rank
     full = value.reshape(slot.dim0, slot.inner)
     return full.narrow(0, slot.first_row(rank), slot.local_rows(rank)).reshape(slot.sharded_shape(rank))
 
@@ -128,7 +132,7 @@ def expected_shapes(model: "ShardedModule") -> dict[str, tuple[int, ...]]:
     shapes = {}
     for key, value in model.module.state_dict(keep_vars=True).items():
         found = model.unit_of(value)
-        shapes[key] = tuple(found[0].layout.slots[found[1]].shape) if found else tuple(value.shape)
+        shapes[key] = tuple(found[0].layout.slots[found[1]].full_shape) if found else tuple(value.shape)
     return shapes
 
 
@@ -204,7 +208,10 @@ def load_full_state_dict(model: "ShardedModule", sd: Mapping[str, Any], strict: 
     _raise_problems("load_full_state_dict", problems, "Load it into the model it was saved from, or pass strict=False to leave out missing and unexpected keys")
     names = _names_by_id(model)
     for unit in model.units:
-        _scatter_unit(unit, sd, names, is_src, model)
+        if unit.tensor_parallel:
+            _broadcast_unit(unit, sd, names, is_src, model)
+        else:
+            _scatter_unit(unit, sd, names, is_src, model)
     present = collectives.broadcast_object([k for k, _ in model.module.named_buffers() if k in sd] if is_src else None, group)
     targets = [(k, b) for k, b in model.module.named_buffers() if k in present]
     if is_src:
@@ -247,6 +254,32 @@ def _scatter_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[s
     if model.replicate_group is not None:
         collectives.broadcast(incoming, model.replicate_group)
     handle.write_shard(incoming.narrow(0, 0, S))
+
+
+def _broadcast_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list[str]], is_src: bool, model: "ShardedModule") -> None:
+    """With tensor parallelism the ranks' shards differ along two axes, so the first rank
+    broadcasts the unit's full tensors (one unit's worth at a time) and every rank cuts its own
+    piece: its TP shard, then its row-chunk of that."""
+    layout = handle.layout
+    if not layout.slots:
+        return
+    keys = [next((k for k in names[id(p)] if k in sd), None) if is_src else None for p in handle.sharded_params]
+    flags = collectives.broadcast_object([k is not None for k in keys] if is_src else None, model.world_group)
+    current = handle.gather_full() if not all(flags) else None
+    fulls = []
+    for i, (slot, given) in enumerate(zip(layout.slots, flags)):
+        if not given:  # left out (strict=False): keeps its current value
+            fulls.append(current[i])  # type: ignore[index]
+            continue
+        full = torch.empty(slot.full_shape, dtype=handle.dtype, device=handle.device)
+        if is_src:
+            full.copy_(sd[keys[i]])  # type: ignore[index]
+        fulls.append(full)
+    collectives.broadcast_tensors([f for f, given in zip(fulls, flags) if given], model.world_group)
+    shard = torch.empty(layout.shard_numel, dtype=handle.dtype, device=handle.device)
+    local = [s.tp.local_of(f) if s.tp is not None else f for s, f in zip(layout.slots, fulls)]
+    layout.fill_shard_from_full(local, shard, handle.rank)
+    handle.write_shard(shard)
 
 
 # ---- optimizer --------------------------------------------------------------------------------
@@ -380,7 +413,7 @@ def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd:
     outside = [k for k in osd["state"] if not (isinstance(k, int) and 0 <= k < len(params))]
     problems = [f"state for parameter indices this optimizer does not have: {listed(outside)}"] if outside else []
     inside = {k: v for k, v in osd["state"].items() if k not in outside}
-    shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].shape)  # noqa: E731
+    shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].full_shape)  # noqa: E731
     return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
 
 
@@ -436,7 +469,7 @@ def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, o
         problems.append(f"optimizer state for parameters this optimizer does not hold: {listed(unknown)}")
     problems += group_problems(saved, _group_names(model, opt))
     known = {n: e for n, e in osd["state"].items() if n in index}
-    return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].shape), lambda n: f"'{n}'")
+    return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].full_shape), lambda n: f"'{n}'")
 
 
 def sharded_optim_load(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any], *, copy: bool = True) -> dict[str, Any]:

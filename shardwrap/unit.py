@@ -28,11 +28,11 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from shardwrap import collectives
 from shardwrap.offload import OffloadStore
-from shardwrap.flat_param import FlatLayout, ParamSlot
+from shardwrap.flat_param import FlatLayout, ParamSlot, TensorParallel
 from shardwrap.stage import Stage
 
 if TYPE_CHECKING:
@@ -205,6 +205,7 @@ class Unit:
         stage: Stage,
         dtensor_mesh: DeviceMesh | None = None,
         replicate_group: collectives.Group | None = None,
+        tensor_parallel: Sequence[TensorParallel | None] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         store: OffloadStore | None = None,
@@ -213,7 +214,9 @@ class Unit:
         ``store``, the master shard lives there (design/notes/offload.md). Hybrid sharding
         (design/notes/hybrid-sharding.md): ``dtensor_mesh`` is the 2-D (replicate, shard) mesh the
         DTensor parameters live on, ``replicate_group`` the replicate axis the reduced gradient
-        shard is all-reduced over.
+        shard is all-reduced over. Tensor parallelism (design/notes/tensor-parallel.md): a
+        parameter whose ``tensor_parallel`` entry is set arrives as its local TP shard, and
+        ``dtensor_mesh`` is the 2-D (data-parallel, tensor-parallel) mesh.
 
         Postcondition: every slot holds the sharded parameter; the unsharded buffer is freed
         (unless the shard lives in it).
@@ -224,7 +227,13 @@ class Unit:
         self._unit_names = unit_names
         self.mesh = mesh
         self.dtensor_mesh = dtensor_mesh if dtensor_mesh is not None else mesh
-        self._replicated_axes = (Replicate(),) * (self.dtensor_mesh.ndim - 1)  # hybrid: the replicate axis
+        tp = list(tensor_parallel) if tensor_parallel is not None else []
+        # Axes of dtensor_mesh besides the shard axis: hybrid's replicate axis comes before it, the
+        # tensor-parallel axis after it; a parameter without TP is replicated over either.
+        self.tensor_parallel = bool(tp)
+        before = 0 if self.tensor_parallel else self.dtensor_mesh.ndim - 1
+        self._replicated_axes = (Replicate(),) * before
+        self._replicated_after = (Replicate(),) * (self.dtensor_mesh.ndim - 1 - before)
         self.replicate_group = replicate_group
         self.replicas = collectives.group_size(replicate_group) if replicate_group is not None else 1
         self.group = mesh.get_group()
@@ -233,7 +242,7 @@ class Unit:
         self.world_size = mesh.size()
         self.stage = stage
         self.slots = [list(s) for s in slots]
-        self.layout = FlatLayout(fqns, params, self.world_size)
+        self.layout = FlatLayout(fqns, params, self.world_size, tp or None)
         self.device = params[0].device if params else torch.device("cpu")  # where gathers and compute run
         self.store = store
         self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
@@ -322,12 +331,24 @@ class Unit:
 
     def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
-        a DTensor with the parameter's global shape: ``Shard(0)``, or ``Replicate()`` for 0-dim."""
-        return DTensor.from_local(local, self.dtensor_mesh, self.placements(slot.replicated), run_check=False, shape=slot.shape, stride=slot.stride)
+        a DTensor with the parameter's global shape, placed as ``placements_of(slot)``."""
+        shape, stride = (slot.tp.shape, slot.tp.stride) if slot.tp is not None else (slot.shape, slot.stride)
+        return DTensor.from_local(local, self.dtensor_mesh, self.placements_of(slot), run_check=False, shape=shape, stride=stride)
 
     def placements(self, replicated: bool = False) -> tuple[Placement, ...]:
-        """``(Shard(0),)`` (``Replicate()`` for a 0-dim parameter); hybrid: ``Replicate()`` first."""
-        return self._replicated_axes + (Replicate() if replicated else Shard(0),)
+        """``(Shard(0),)`` (``Replicate()`` for a 0-dim parameter); hybrid: ``Replicate()`` first;
+        with tensor parallelism, ``Replicate()`` on the TP axis after it."""
+        return self._replicated_axes + (Replicate() if replicated else Shard(0),) + self._replicated_after
+
+    def placements_of(self, slot: ParamSlot) -> tuple[Placement, ...]:
+        """A parameter's placements on ``dtensor_mesh``. A TP parameter's data-parallel rows are
+        row-chunks of its TP shard: when TP splits dim 0 too, the global rows a rank holds are
+        strided (``_StridedShard``, as torch's ``fully_shard`` places them); then its TP placement."""
+        if slot.tp is None:
+            return self.placements(slot.replicated)
+        splits = [self.dtensor_mesh.size(1)] if any(p.is_shard(0) for p in slot.tp.placements) else []
+        rows = _StridedShard(0, split_factor=splits[0]) if splits else Shard(0)
+        return (rows, *slot.tp.placements)
 
     def _shard_version(self) -> int:
         """A count that every write into the shard raises: the parameters' version counters (the
@@ -452,8 +473,8 @@ class Unit:
         return DTensor.from_local(self.sharded_local, self.dtensor_mesh, self.placements(), run_check=False, shape=torch.Size((W * S,)), stride=(1,))
 
     def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Every parameter's full value, as new tensors (one all-gather; the unit's state is
-        untouched). ``flat`` gathers another tensor laid out like the shard (``S + 1`` elements),
+        """Every parameter's full value, as new tensors (one all-gather, then for a TP parameter
+        one gather over the TP mesh; the unit's state is untouched). ``flat`` gathers another tensor laid out like the shard (``S + 1`` elements),
         such as an optimizer state."""
         layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not layout.slots:
@@ -465,7 +486,8 @@ class Unit:
         fulls = []
         for s in layout.slots:
             block = rows.narrow(1, s.shard_offset, s.chunk_numel).reshape(W * s.rows_per_rank, s.inner)
-            fulls.append(block.narrow(0, 0, s.dim0).reshape(s.shape).clone())
+            full = block.narrow(0, 0, s.dim0).reshape(s.shape).clone()
+            fulls.append(s.tp.full_of(full) if s.tp is not None else full)  # TP: then over the TP mesh
         return fulls
 
     def _make_used_outside(self, fqn: str) -> Callable[[torch.Tensor], None]:
@@ -752,6 +774,9 @@ class Unit:
         ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
+        for i, slot in enumerate(self.layout.slots):
+            if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
+                views[i] = slot.tp.view(views[i])
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose

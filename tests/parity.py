@@ -48,6 +48,7 @@ class Case:
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     offload: str | None = None  # Offload(optimizer=...): "cpu" | "disk" (files in a new temporary directory)
     mesh: tuple[int, int] | None = None  # hybrid: (replicas, shards), a ("replicate", "shard") mesh over R * S ranks
+    tp: int = 0  # tensor parallelism over this many ranks: a ("dp", "tp") mesh; each Block's up colwise, down rowwise
     seed: int = 0
 
 
@@ -237,27 +238,24 @@ def train_sharded(case: Case, mutation: str | None = None) -> dict[str, Any]:
 def _train_sharded(case: Case) -> dict[str, Any]:
     import tempfile
 
-    from shardwrap import MixedPrecision, Offload, ShardedModule
+    from shardwrap import MixedPrecision, Offload
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[case.mixed_precision]
     offload = None
     if case.offload is not None:
         offload = Offload(case.offload, path=tempfile.mkdtemp(prefix="shardwrap-offload-test-") if case.offload == "disk" else None)
-    model = ShardedModule(
-        build_model(case),
-        auto_wrap_policy=resolve_policy(case),
-        stage=case.stage,
+    model = wrap(
+        case,
         mixed_precision=MixedPrecision(param_dtype=dtype) if dtype else None,
         max_unsharded=case.max_unsharded,
         offload=offload,
-        mesh=hybrid_mesh(case.mesh) if case.mesh else None,
     )
     opt = build_optimizer(case, model)
     losses, norms = [], []
+    chunks, mine = data_place(case)
     for step in range(case.steps):
         set_step(model.module, step)
-        local = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        local = {k: v.chunk(chunks)[mine] for k, v in global_batch(case, step).items()}
         step_loss = 0.0
         micros = micro_batches(local, case.accumulate)
         for i, micro in enumerate(micros):
@@ -282,10 +280,47 @@ def _train_sharded(case: Case) -> dict[str, Any]:
     return {
         "on_disk": on_disk,
         "full": model.full_state_dict(),
-        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        **placed_params(case, model),
         "losses": losses,
         "norms": norms,
     }
+
+
+def placed_params(case: Case, model: Any) -> dict[str, Any]:
+    """``"local"``: each parameter's local tensor (checked against ``torch.chunk`` of the
+    reference); with tensor parallelism ``"placed"`` instead: each DTensor parameter's
+    ``full_tensor()``, which holds only if its 2-D placements say where its local rows belong."""
+    if case.tp:
+        return {"local": {}, "placed": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+    return {"local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()}}
+
+
+def wrap(case: Case, **kwargs: Any) -> Any:
+    """The case's model wrapped by ShardedModule on the case's mesh (tensor-parallel first when
+    ``case.tp``: each Block's ``up`` column-wise and ``down`` row-wise on the "tp" axis)."""
+    from shardwrap import ShardedModule
+
+    module = build_model(case)
+    mesh = hybrid_mesh(case.mesh) if case.mesh else None
+    if case.tp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        world = dist.get_world_size()
+        full = init_device_mesh("cpu", (world // case.tp, case.tp), mesh_dim_names=("dp", "tp"))
+        for block in [m for m in module.modules() if isinstance(m, models.Block)]:
+            parallelize_module(block, full["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        mesh = full["dp"]
+    return ShardedModule(module, auto_wrap_policy=resolve_policy(case), stage=case.stage, mesh=mesh, **kwargs)
+
+
+def data_place(case: Case) -> tuple[int, int]:
+    """(how many chunks each global batch splits into, which one this rank trains on): one per
+    rank, or with tensor parallelism one per data-parallel rank (the mesh is row-major)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if case.tp:
+        return world // case.tp, rank // case.tp
+    return world, rank
 
 
 def hybrid_mesh(shape: tuple[int, int]) -> Any:
@@ -366,6 +401,9 @@ def compare(case: Case, world_size: int, results: list[dict[str, Any]], referenc
     for name, value in expected.items():
         assert full[name].dtype == value.dtype, f"'{name}': master dtype {full[name].dtype} != {value.dtype}"
         assert_close_params(full[name], value, case.optim, case.steps, f"full '{name}'", mp)
+    for rank, result in enumerate(results):
+        for name, placed in result.get("placed", {}).items():
+            assert_close_params(placed, expected[name], case.optim, case.steps, f"rank {rank} DTensor '{name}'.full_tensor()", mp)
     for rank, result in enumerate(results):
         assert result["full"] == {} or rank == 0, "rank0_only: other ranks must get {}"
         shards, place = shard_place(case, world_size, rank)

@@ -12,24 +12,21 @@ import torch.nn as nn
 
 import models
 from harness import RankError, run_on_ranks
-from parity import Case, build_model, build_optimizer, global_batch, hybrid_mesh, loss_fn, resolve_policy
+from parity import Case, build_model, build_optimizer, data_place, global_batch, loss_fn, resolve_policy, wrap
 
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8, optim="adamw")
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 
 
 def make(case: Case):
-    from shardwrap import ShardedModule
-
-    mesh = hybrid_mesh(case.mesh) if case.mesh else None
-    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage, mesh=mesh)
+    model = wrap(case)
     return model, build_optimizer(case, model)
 
 
 def train(case: Case, model, opt, steps: range) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks, mine = data_place(case)
     for step in steps:
-        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        batch = {k: v.chunk(chunks)[mine] for k, v in global_batch(case, step).items()}
         loss_fn(case, model, batch).backward()
         opt.step()
         opt.zero_grad()

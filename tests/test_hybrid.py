@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from harness import run_on_ranks
-from parity import Case, build_model, check_parity, compare, global_batch, hybrid_mesh, loss_fn, resolve_policy, train_reference
+from parity import Case, build_model, check_parity, compare, global_batch, hybrid_mesh, loss_fn, placed_params, resolve_policy, train_reference
 from test_checkpoint import make, train
 from test_torch_apis import on_ranks_resume, on_ranks_save
 
@@ -158,7 +158,7 @@ def on_ranks_shardwrap_resume(c: Case, path: str, steps: range, save_to: str | N
         save_checkpoint(save_to, model, opt)
     return {
         "full": model.full_state_dict(),
-        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        **placed_params(c, model),
         "losses": [0.0] * c.steps,
         "norms": [],
     }
@@ -176,6 +176,17 @@ def test_checkpoint_reshards_2x2_to_1x2_to_4(optim, tmp_path):
     run_on_ranks(2, on_ranks_shardwrap_resume, mid, first, range(2, 3), second)
     results = run_on_ranks(4, on_ranks_shardwrap_resume, run, second, range(3, 4), None)
     compare(run, 4, results, reference=(expected, [], []))
+
+
+def test_checkpoint_resumes_on_a_2x2_mesh(tmp_path):
+    """Saved 1-D at W=4, resumed at 2x2: the second replica's ranks read the same rows as the first
+    replica's (its optimizer-state templates once took their rows from the world rank)."""
+    run = case(stage=3, optim="adamw", steps=3)
+    expected, _, _ = train_reference(run)
+    path = str(tmp_path / "a")
+    run_on_ranks(4, on_ranks_shardwrap_save, run, path, range(0, 2))
+    hybrid = case(run, mesh=(2, 2))
+    compare(hybrid, 4, run_on_ranks(4, on_ranks_shardwrap_resume, hybrid, path, range(2, 3), None), reference=(expected, [], []))
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
@@ -199,8 +210,14 @@ def on_ranks_bad_mesh(kind: str) -> str:
 
     from shardwrap import ShardedModule
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     if kind == "3d":
         mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+    elif kind == "names":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    elif kind == "part":
+        mesh = DeviceMesh("cpu", [0, 1], mesh_dim_names=("shard",))
     else:
         mesh = init_device_mesh("cpu", (2, 2))
     try:
@@ -210,10 +227,38 @@ def on_ranks_bad_mesh(kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("kind,words", [("3d", "2-D (replicate, shard)"), ("unnamed", "mesh_dim_names")])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("3d", ["2-D (replicate, shard)", "mesh['replicate', 'shard']"]),
+        ("unnamed", ["mesh_dim_names"]),
+        ("names", ["axis 0 of the 2-D mesh is named 'dp'", "mesh=mesh['dp']"]),
+        ("part", ["mesh has 2 ranks but the default process group has 4", "over every rank"]),
+    ],
+)
 def test_bad_meshes_are_refused_with_the_call_to_make(kind, words):
     for message in run_on_ranks(4, on_ranks_bad_mesh, kind):
-        assert words in message, message
+        assert all(w in message for w in words), message
+
+
+def on_ranks_one_shard_warning(shape: tuple[int, int], stage: int) -> list[str]:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardedModule(build_model(MLP), auto_wrap_policy=resolve_policy(MLP), mesh=hybrid_mesh(shape), stage=stage)
+    return [str(w.message) for w in caught if "shard axis" in str(w.message)]
+
+
+def test_a_shard_axis_of_one_rank_at_stage_3_warns_that_it_is_ddp():
+    for messages in run_on_ranks(4, on_ranks_one_shard_warning, (4, 1), 3):
+        assert len(messages) == 1 and "'shard'" in messages[0] and "this is DDP" in messages[0], messages
+    for messages in run_on_ranks(4, on_ranks_one_shard_warning, (4, 1), 1):
+        assert messages == [], messages  # stage 1 keeps the model unsharded: nothing to warn about
+    for messages in run_on_ranks(4, on_ranks_one_shard_warning, (2, 2), 3):
+        assert messages == [], messages
 
 
 def on_ranks_overlap(c: Case) -> dict:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 from harness import run_on_ranks
 from test_checkpoint import make, train
-from parity import Case, build_model, check_parity, compare, train_reference
+from parity import Case, build_model, check_parity, compare, placed_params, train_reference
 
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
@@ -114,7 +114,7 @@ def on_ranks_resume(case: Case, path: str, start: int, full: bool) -> dict:
     train(case, model, opt, range(start, case.steps))
     return {
         "full": model.full_state_dict(),
-        "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        **placed_params(case, model),
         "losses": [0.0] * case.steps,
         "norms": [],
     }

@@ -4,6 +4,7 @@
     python -m shardwrap.estimate --params 1.3e9 --world-size 8
     python -m shardwrap.estimate --model gpt2-xl --world-size 2 --offload disk
     python -m shardwrap.estimate --model llama-7b --mesh 8x512 --mixed-precision bf16 --simulate
+    python -m shardwrap.estimate --model llama-7b --mesh 64x8 --mixed-precision bf16 --inter-gbps 12.5
 
 The formula counts AdamW (8 bytes of state per parameter) over fp32 master shards. ``--simulate``
 builds the model on the meta device and wraps it with ``ShardedModule`` under torch's fake process
@@ -21,6 +22,16 @@ reduce-scatters over "shard", the gradient all-reduce over "replicate", each as
 backward and reduction runs, the arithmetic does not) under ``count_collectives()``; the last step's
 counts are printed beside the formula's and must equal them (``train_steps``). The collectives are
 counted from the real code, not computed: the formula is checked against them.
+
+With ``--mesh`` it also times those collectives (``step_time_model``): each one's ring wire bytes
+per rank over the per-rank bandwidth of the link its axis crosses, ``--intra-gbps`` within a node
+(default 200 GB/s, an NVLink-class round figure; ``calibrated``: this machine's gloo all-gather bus
+bandwidth from ``benchmarks/results/gloo_bandwidth.json``, written by
+``benchmarks/calibrate_bandwidth.py``) or ``--inter-gbps`` across nodes (default 25 GB/s, one
+200 Gb/s NIC a rank), with ``--ranks-per-node`` consecutive ranks a node (default S when R > 1,
+min(W, 8) for ``--mesh 1xW``). An axis is intra-node when each of its groups lies in one node
+(``axis_links``). No latency, no overlap. The table puts the mesh beside the 1-D mesh 1xW of the
+same W and says above which intra/inter ratio the hybrid mesh communicates for less time.
 
 ``--offload cpu|disk`` (``ShardedModule(offload=Offload(...))``) splits each stage's model state
 by where it lives, per rank (``offload_formula``):
@@ -52,6 +63,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -329,6 +341,91 @@ def collectives_formula(
             "stage": stage, "first_step": first_step, "ideal": ideal}
 
 
+# ---- step time: the collectives' wire bytes over a bandwidth table -------------------------------
+
+CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gloo_bandwidth.json"
+DEFAULT_INTRA_GBPS = 200.0  # NVLink-class round figure (an A100's NVLink is 300 GB/s each way); not a measurement
+DEFAULT_INTER_GBPS = 25.0  # 200 Gb/s: one HDR InfiniBand NIC per rank
+# (collective, the mesh axis it runs on): what the model times; the int64 headers and counts are left out
+TIMED = (("all_gather", "shard"), ("reduce_scatter", "shard"), ("replicate_all_reduce", "replicate"))
+
+
+def axis_links(mesh: Mesh, ranks_per_node: int) -> dict[str, str | None]:
+    """Which link each mesh axis's collectives cross: "intra" when every group of the axis lies in
+    one node, else "inter" (a ring runs at its slowest link); None for an axis of one rank.
+
+    Ranks follow ``init_device_mesh``: rank r * S + s at (r, s), so the shard groups are runs of S
+    consecutive ranks and the replicate groups take every S-th rank; node = rank // N. A group
+    stays in one node exactly when its first and last rank do. Hence, with N dividing W: "shard" is
+    intra iff S divides N, "replicate" is intra iff W <= N; at N = S, the default, shard is intra
+    and replicate inter."""
+    R, S, N = mesh.replicas, mesh.shards, ranks_per_node
+
+    def link(firsts: range, span: int) -> str:
+        return "intra" if all(f // N == (f + span) // N for f in firsts) else "inter"
+
+    return {"shard": link(range(0, R * S, S), S - 1) if S > 1 else None,
+            "replicate": link(range(S), (R - 1) * S) if R > 1 else None}
+
+
+def step_time_model(collectives: dict, mesh: Mesh, intra_gbps: float, inter_gbps: float, ranks_per_node: int) -> dict:
+    """Seconds each collective of one training step takes on one rank of ``mesh``, from
+    ``collectives`` (``collectives_formula`` at that mesh) and per-rank link bandwidths in GB/s
+    (1e9 bytes/s): a collective's ring wire bytes per rank (all-gather (S - 1)/S of the gathered
+    data, reduce-scatter the same of its input, all-reduce 2 (R - 1)/R) over the bandwidth of the
+    link its axis crosses (``axis_links``). No latency term, no overlap with compute or between
+    collectives: the sum is the step's communication if nothing hid it. The int64 headers and
+    counts (a few bytes a unit, on CPU groups) are left out."""
+    links = axis_links(mesh, ranks_per_node)
+    gbps = {"intra": intra_gbps, "inter": inter_gbps}
+    seconds: dict[str, float] = {}
+    wire = {"intra": 0.0, "inter": 0.0}
+    for kind, axis in TIMED:
+        row, link = collectives[axis].get(kind), links[axis]
+        if row is None or link is None:  # R = 1 issues no all-reduce; S = 1 moves nothing over "shard"
+            seconds[kind] = 0.0
+            continue
+        seconds[kind] = row["wire_bytes"] / (gbps[link] * 1e9)
+        wire[link] += row["wire_bytes"]
+    return {"mesh": str(mesh), "links": links, "seconds": seconds, "comm_seconds": sum(seconds.values()),
+            "wire_bytes": wire}
+
+
+def hybrid_breakeven(hybrid: dict, flat: dict) -> tuple[str, float | None]:
+    """When ``hybrid`` (a ``step_time_model`` row) communicates for less time than ``flat`` (the
+    1-D row of the same W): each row's time is intra bytes / intra + inter bytes / inter, so the
+    answer is a ratio intra / inter. ("above", x): hybrid wins when intra / inter > x (the usual
+    case: it moves bytes off the network onto the node's links); ("below", x): when it is below x;
+    ("always", None) / ("never", None): at every ratio / at none."""
+    extra_intra = hybrid["wire_bytes"]["intra"] - flat["wire_bytes"]["intra"]
+    saved_inter = flat["wire_bytes"]["inter"] - hybrid["wire_bytes"]["inter"]
+    if saved_inter > 0:
+        return ("above", extra_intra / saved_inter) if extra_intra > 0 else ("always", None)
+    if saved_inter < 0 and extra_intra < 0:
+        return "below", extra_intra / saved_inter
+    return ("always", None) if extra_intra < 0 else ("never", None)
+
+
+def calibrated_intra_gbps(path: Path | None = None) -> tuple[float, str]:
+    """The all-gather bus bandwidth ``benchmarks/calibrate_bandwidth.py`` measured on this machine
+    (gloo), and a line saying where it came from. ``ValueError`` (its message says what to run)
+    when the file is missing or holds no usable figure."""
+    path = CALIBRATION if path is None else path
+    try:
+        data = json.loads(path.read_text())
+        gbps = float(data["allgather_busbw_gbps"])
+    except FileNotFoundError:
+        raise ValueError(f"calibrated, but {path} does not exist: run OMP_NUM_THREADS=1 torchrun --standalone "
+                         f"--nproc_per_node=2 benchmarks/calibrate_bandwidth.py, or give GB/s") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"calibrated, but {path} has no allgather_busbw_gbps ({exc}): rerun "
+                         f"benchmarks/calibrate_bandwidth.py, or give GB/s") from None
+    if not math.isfinite(gbps) or gbps <= 0:
+        raise ValueError(f"calibrated, but {path} says {gbps} GB/s: rerun benchmarks/calibrate_bandwidth.py")
+    return gbps, (f"calibrated: gloo {data.get('function', 'all-gather')} bus bandwidth, "
+                  f"{data.get('world_size', '?')} ranks, {data.get('date', 'undated')} ({path})")
+
+
 def simulate(shape: Shape, world: int, precision: str, offload: str = "none", max_unsharded: int = 2,
              mesh: Mesh | None = None, steps: int = 1, tokens: int = 0) -> dict:
     """Wrap ``shape`` on the meta device under a fake process group of ``world`` ranks; rank 0's
@@ -527,6 +624,25 @@ def _param_count(text: str) -> float:
     return count
 
 
+def _gbps(text: str) -> float:
+    """``--inter-gbps`` (and ``--intra-gbps``): a finite bandwidth above 0, in GB/s per rank."""
+    try:
+        gbps = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB/s (write e.g. 25)") from None
+    if not math.isfinite(gbps) or gbps <= 0:
+        raise argparse.ArgumentTypeError(f"{text} GB/s is impossible: give a finite bandwidth above 0")
+    return gbps
+
+
+def _intra_gbps(text: str) -> float | str:
+    """``--intra-gbps``: GB/s, or ``calibrated`` (read from ``CALIBRATION`` once parsing is done)."""
+    return "calibrated" if text.strip().lower() == "calibrated" else _gbps(text)
+
+
+_ranks_per_node = _at_least_one("ranks", "{} ranks per node is impossible: give 1 or more")  # --ranks-per-node
+
+
 def _fits_line(est: dict, offloaded: dict, stage: int, world: int, have: int | None) -> tuple[str, bool | None]:
     """Whether the ``stage`` run without offload fits in ``have`` bytes with every rank on this
     machine computing on the CPU, beside what the disk-offloaded run needs there."""
@@ -571,6 +687,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=_steps, default=None,
                     help="with --simulate --mesh: training steps to run (default 1); the last is counted and "
                          "checked against the formula (from the second on, the steady state)")
+    ap.add_argument("--intra-gbps", type=_intra_gbps, metavar="GBPS|calibrated",
+                    help=f"with --mesh: per-rank bandwidth of a link within a node, GB/s (1e9 bytes/s) for the "
+                         f"step-time model (default {DEFAULT_INTRA_GBPS:g}, an NVLink-class round figure); "
+                         f"'calibrated': this machine's gloo all-gather bus bandwidth, measured by "
+                         f"benchmarks/calibrate_bandwidth.py into benchmarks/results/gloo_bandwidth.json")
+    ap.add_argument("--inter-gbps", type=_gbps, metavar="GBPS",
+                    help=f"with --mesh: per-rank bandwidth across nodes, GB/s (default {DEFAULT_INTER_GBPS:g}: "
+                         f"200 Gb/s, one HDR InfiniBand NIC per rank)")
+    ap.add_argument("--ranks-per-node", type=_ranks_per_node, metavar="N",
+                    help="with --mesh: ranks in a node, consecutive ranks sharing one (default: S for R > 1, the "
+                         "shard axis fills a node; min(W, 8) for a 1-D mesh 1xW)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args(argv)
     mesh: Mesh | None = args.mesh
@@ -583,6 +710,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.world_size = mesh.world
     if args.steps is not None and not (args.simulate and mesh is not None):
         ap.error("argument --steps: the simulated steps need --simulate and --mesh")
+    step_options = [o for o, v in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps),
+                                   ("--ranks-per-node", args.ranks_per_node)) if v is not None]
+    if step_options and mesh is None:
+        ap.error(f"argument {step_options[0]}: the step-time model needs --mesh RxS (--mesh 1x{args.world_size} "
+                 f"for the 1-D world)")
     shards = args.shards = mesh.shards if mesh is not None else args.world_size  # what each parameter is split over
 
     if args.model:
@@ -604,6 +736,10 @@ def main(argv: list[str] | None = None) -> dict:
             stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage) for stage in (1, 2, 3)}
         result["collectives_formula_first_step"] = collectives_formula(
             per_unit, psi, mesh, args.mixed_precision, 3, first_step=True)
+        try:
+            result["step_time"] = _step_time(args, mesh, psi, unit, per_unit)
+        except ValueError as exc:  # --intra-gbps calibrated without a usable file
+            ap.error(f"argument --intra-gbps: {exc}")
     offloaded: dict = {}
     if args.offload != "none":
         offloaded = offload_formula(psi, counts, shards, args.mixed_precision, args.offload,
@@ -643,6 +779,7 @@ def main(argv: list[str] | None = None) -> dict:
         _print_offload(args, name, psi, unit, est, offloaded, result.get("simulated"), fits_line)
         if mesh is not None:
             _print_collectives(args, mesh, result)
+            _print_step_time(result["step_time"])
         return result
     ranks = f"W = {args.world_size}" if mesh is None else (
         f"mesh {mesh} (R = {mesh.replicas} replicas of S = {mesh.shards} shards, W = {mesh.world}; per rank: the "
@@ -665,6 +802,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{sim['largest_unit'] / 1e6:.1f}M elements padded")
     if mesh is not None:
         _print_collectives(args, mesh, result)
+        _print_step_time(result["step_time"])
     return result
 
 
@@ -725,6 +863,69 @@ def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> No
               f"{ms['grads'] / GiB:.3f} + AdamW {ms['optim'] / GiB:.3f} GiB (formula at S, stage 3, without padding: "
               f"{f3['params'] / GiB:.3f} + {f3['grads'] / GiB:.3f} + {f3['optim'] / GiB:.3f}); peak RSS of the "
               f"simulation {st['peak_rss_bytes'] / GiB:.1f} GiB")
+
+
+def _step_time(args: argparse.Namespace, mesh: Mesh, psi: int, unit: int, per_unit: list[tuple[int, int]] | None) -> dict:
+    """``step_time_model`` at ``mesh`` and, for R > 1, at the 1-D mesh 1xW of the same W (steady
+    state, stage ``--stage``), each with its peak bytes per rank (``formula`` at its S), and the
+    bandwidths and ranks per node used and where each came from."""
+    if args.intra_gbps == "calibrated":
+        intra, intra_source = calibrated_intra_gbps()
+    elif args.intra_gbps is None:
+        intra, intra_source = DEFAULT_INTRA_GBPS, "default: an NVLink-class round figure, not a measurement"
+    else:
+        intra, intra_source = args.intra_gbps, "--intra-gbps"
+    inter = DEFAULT_INTER_GBPS if args.inter_gbps is None else args.inter_gbps
+    inter_source = "--inter-gbps" if args.inter_gbps is not None else "default: 200 Gb/s, one HDR InfiniBand NIC a rank"
+    nodes = args.ranks_per_node
+    nodes_source = "--ranks-per-node" if nodes is not None else (
+        "default: S, the shard axis fills a node" if mesh.replicas > 1 else "default: min(W, 8)")
+    if nodes is None:
+        nodes = mesh.shards if mesh.replicas > 1 else min(mesh.world, 8)
+    rows = []
+    for m in [mesh, *([Mesh(1, mesh.world)] if mesh.replicas > 1 else [])]:
+        units = per_unit
+        if m is not mesh and args.model:
+            units = [(la.shard_numel, la.grad_shard_numel) for la in unit_layouts(SHAPES[args.model], m.shards)]
+        row = step_time_model(collectives_formula(units, psi, m, args.mixed_precision, args.stage), m, intra, inter, nodes)
+        # what the hybrid mesh pays instead: the model state at S, not at W
+        row["peak_bytes"] = formula(psi, unit, m.shards, args.mixed_precision, args.max_unsharded)[args.stage]["total"]
+        rows.append(row)
+    out = {"stage": args.stage, "intra_gbps": intra, "intra_source": intra_source, "inter_gbps": inter,
+           "inter_source": inter_source, "ranks_per_node": nodes, "ranks_per_node_source": nodes_source, "meshes": rows}
+    if len(rows) == 2:
+        verdict, ratio = hybrid_breakeven(*rows)
+        out["hybrid_wins"] = {"when": verdict, "intra_over_inter": ratio,
+                              "here": rows[0]["comm_seconds"] < rows[1]["comm_seconds"]}
+    return out
+
+
+def _print_step_time(st: dict) -> None:
+    """The step-time table: the given mesh and, for R > 1, the 1-D mesh of the same W."""
+    rows = st["meshes"]
+    gbps = {"intra": st["intra_gbps"], "inter": st["inter_gbps"]}
+    print(f"\nstep time of those collectives, stage {st['stage']}, per rank: ring wire bytes over the link each axis "
+          f"crosses (no latency, nothing overlapped with compute); intra-node {st['intra_gbps']:.3g} GB/s "
+          f"({st['intra_source']}), inter-node {st['inter_gbps']:.3g} GB/s ({st['inter_source']}), "
+          f"{st['ranks_per_node']} ranks per node ({st['ranks_per_node_source']})")
+    print("| mesh | shard axis | replicate axis | all-gather s | reduce-scatter s | all-reduce s | comm s/step | "
+          "peak GiB per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        links = [f"{link} ({gbps[link]:.3g} GB/s)" if link else "-" for link in row["links"].values()]
+        sec = row["seconds"]
+        print(f"| {row['mesh']} | {links[0]} | {links[1]} | {sec['all_gather']:.4g} | {sec['reduce_scatter']:.4g} | "
+              f"{sec['replicate_all_reduce']:.4g} | {row['comm_seconds']:.4g} | {row['peak_bytes'] / GiB:.3f} |")
+    if "hybrid_wins" in st:
+        (hybrid, flat), wins = rows, st["hybrid_wins"]
+        ratio = wins["intra_over_inter"]
+        when = {"always": "at every bandwidth ratio", "never": "at no bandwidth ratio"}.get(wins["when"]) or (
+            f"when intra/inter {'>' if wins['when'] == 'above' else '<'} {ratio:.3g}")
+        here = f"{hybrid['mesh']} is faster" if wins["here"] else (
+            "they tie" if hybrid["comm_seconds"] == flat["comm_seconds"] else f"{flat['mesh']} is faster")
+        print(f"{hybrid['mesh']} communicates for less time than {flat['mesh']} {when}; here intra/inter = "
+              f"{st['intra_gbps'] / st['inter_gbps']:.3g}, so {here}. {hybrid['mesh']} pays in memory: {hybrid['peak_bytes'] / GiB:.3f} GiB per rank at peak "
+              f"against {flat['peak_bytes'] / GiB:.3f} (the model state sharded over S, not W)")
 
 
 def _print_offload(args: argparse.Namespace, name: str, psi: int, unit: int, est: dict, offloaded: dict,

@@ -386,3 +386,171 @@ def test_a_simulated_step_that_cannot_fit_is_refused_before_it_starts(monkeypatc
     with pytest.raises(SystemExit) as exit_:
         est.main(["--model", "gpt2", "--world-size", "8", "--steps", "2"])
     assert exit_.value.code == 2 and "argument --steps: the simulated steps need --simulate and --mesh" in capsys.readouterr().err
+
+
+# ---- the step-time model: --intra-gbps, --inter-gbps, --ranks-per-node ----------------------------
+
+
+def test_step_time_is_wire_bytes_over_the_link_by_hand():
+    """The hand-checkable case above (R = 4, S = 8, fp32, stage 3) with 8 ranks per node: the shard
+    groups are nodes (intra, 2 GB/s), the replicate groups cross them (inter, 0.5 GB/s). Seconds:
+    all-gather 7 * 32 * 4 / 2e9, reduce-scatter 7 * 23 * 4 / 2e9, all-reduce 138 / 0.5e9."""
+    from shardwrap import estimate as est
+
+    units, mesh = [(10, 10), (6, 6), (6, 4)], est.Mesh(4, 8)
+    f = est.collectives_formula(units, 22, mesh, "none", 3)
+    t = est.step_time_model(f, mesh, intra_gbps=2.0, inter_gbps=0.5, ranks_per_node=8)
+    assert t["links"] == {"shard": "intra", "replicate": "inter"}
+    assert t["seconds"]["all_gather"] == pytest.approx(7 * 32 * 4 / 2e9)
+    assert t["seconds"]["reduce_scatter"] == pytest.approx(7 * 23 * 4 / 2e9)
+    assert t["seconds"]["replicate_all_reduce"] == pytest.approx(138 / 0.5e9)
+    assert t["comm_seconds"] == pytest.approx((7 * 32 * 4 + 7 * 23 * 4) / 2e9 + 138 / 0.5e9)
+    assert t["wire_bytes"] == {"intra": 7 * 55 * 4, "inter": 138}
+    # 4 ranks a node: a shard group spans two nodes, so every collective runs at the inter-node link
+    t4 = est.step_time_model(f, mesh, intra_gbps=2.0, inter_gbps=0.5, ranks_per_node=4)
+    assert t4["links"] == {"shard": "inter", "replicate": "inter"}
+    assert t4["comm_seconds"] == pytest.approx((7 * 55 * 4 + 138) / 0.5e9)
+
+
+@pytest.mark.parametrize("mesh,nodes,links", [
+    ((4, 8), 8, ("intra", "inter")),
+    ((4, 8), 16, ("intra", "inter")),  # two replicas a node, but each replicate group spans two nodes
+    ((4, 8), 32, ("intra", "intra")),  # one node holds the world
+    ((4, 8), 4, ("inter", "inter")),
+    ((4, 8), 12, ("inter", "inter")),  # 12 is no multiple of 8: shard group 1 (ranks 8-15) straddles
+    ((2, 3), 3, ("intra", "inter")),
+    ((1, 16), 8, ("inter", None)),
+    ((1, 8), 8, ("intra", None)),
+    ((8, 1), 8, (None, "intra")),  # S = 1: nothing to shard; the replicas all-reduce within the node
+])
+def test_axis_links_follow_the_rank_layout(mesh, nodes, links):
+    from shardwrap import estimate as est
+
+    got = est.axis_links(est.Mesh(*mesh), nodes)
+    assert (got["shard"], got["replicate"]) == links
+
+
+def test_hybrid_beats_one_d_when_the_inter_node_link_is_slow():
+    """1e9 params (ideal units), bf16, W = 64: 8x8 against 1x64 at 8 ranks a node. Per rank, 1x64
+    moves 3 * 63/64 Psi p bytes over the slow link; 8x8 moves 3 * 7/8 Psi p within the node and
+    2 * 7/8 Psi p / 8 across. Hybrid wins above intra / inter = (21/8) / (189/64 - 14/64)."""
+    from shardwrap import estimate as est
+
+    psi, hybrid, flat = 10**9, est.Mesh(8, 8), est.Mesh(1, 64)
+
+    def comm(mesh: est.Mesh, intra: float, inter: float) -> dict:
+        return est.step_time_model(est.collectives_formula(None, psi, mesh, "bf16", 3), mesh, intra, inter, 8)
+
+    fast_node = comm(hybrid, 200, 25), comm(flat, 200, 25)
+    assert fast_node[0]["comm_seconds"] < fast_node[1]["comm_seconds"] / 4
+    assert fast_node[1]["comm_seconds"] == pytest.approx(3 * 63 / 64 * 2 * psi / 25e9)
+    verdict, ratio = est.hybrid_breakeven(*fast_node)
+    assert verdict == "above" and ratio == pytest.approx((21 / 8) / (189 / 64 - 14 / 64))
+    below, above = ratio * 0.99, ratio * 1.01
+    assert comm(hybrid, below * 10, 10)["comm_seconds"] > comm(flat, below * 10, 10)["comm_seconds"]
+    assert comm(hybrid, above * 10, 10)["comm_seconds"] < comm(flat, above * 10, 10)["comm_seconds"]
+    # one node of 64 ranks: 1x64 never leaves it, 8x8 only adds its all-reduce
+    one_node = tuple(est.step_time_model(est.collectives_formula(None, psi, m, "bf16", 3), m, 200, 25, 64)
+                     for m in (hybrid, flat))
+    assert one_node[1]["links"]["shard"] == "intra" and est.hybrid_breakeven(*one_node) == ("always", None)
+
+
+def test_one_d_is_hybrid_with_one_replica(capsys):
+    """--mesh 1xW is the 1-D world: no all-reduce, one table row, and the same row the hybrid
+    mesh of that W prints beside itself (same ranks per node)."""
+    from shardwrap import estimate as est
+
+    one = est.main(["--model", "gpt2", "--mesh", "1x16", "--ranks-per-node", "4", "--json"])["step_time"]
+    pair = est.main(["--model", "gpt2", "--mesh", "4x4", "--json"])["step_time"]
+    capsys.readouterr()
+    assert len(one["meshes"]) == 1 and "hybrid_wins" not in one
+    row = one["meshes"][0]
+    assert row["seconds"]["replicate_all_reduce"] == 0 and row["links"] == {"shard": "inter", "replicate": None}
+    assert pair["ranks_per_node"] == 4 and [r["mesh"] for r in pair["meshes"]] == ["4x4", "1x16"]
+    assert pair["meshes"][1] == row
+    flat = est.main(["--model", "gpt2", "--mesh", "1x8", "--json"])["step_time"]  # default: min(W, 8) a node
+    capsys.readouterr()
+    assert flat["ranks_per_node"] == 8 and flat["meshes"][0]["links"]["shard"] == "intra"
+
+
+def test_step_time_table_and_json_fields(capsys):
+    from shardwrap import estimate as est
+
+    args = ["--params", "1e9", "--mesh", "8x8", "--mixed-precision", "bf16", "--intra-gbps", "100",
+            "--inter-gbps", "10"]
+    est.main(args)
+    out = capsys.readouterr().out
+    assert "| mesh | shard axis | replicate axis | all-gather s | reduce-scatter s | all-reduce s | comm s/step |" in out
+    assert "| 8x8 | intra (100 GB/s) | inter (10 GB/s) |" in out and "| 1x64 | inter (10 GB/s) | - |" in out, out
+    assert "intra-node 100 GB/s (--intra-gbps)" in out and "8 ranks per node (default: S" in out, out
+    assert "8x8 communicates for less time than 1x64 when intra/inter > " in out and "so 8x8 is faster" in out, out
+    st = est.main([*args, "--json"])["step_time"]
+    printed = json.loads(capsys.readouterr().out)["step_time"]
+    assert printed == json.loads(json.dumps(st))
+    assert {"stage", "intra_gbps", "intra_source", "inter_gbps", "inter_source", "ranks_per_node",
+            "ranks_per_node_source", "meshes", "hybrid_wins"} <= set(st)
+    assert (st["intra_gbps"], st["inter_gbps"], st["ranks_per_node"]) == (100, 10, 8)
+    for row in st["meshes"]:
+        assert set(row) == {"mesh", "links", "seconds", "comm_seconds", "wire_bytes", "peak_bytes"}
+        assert row["comm_seconds"] == pytest.approx(sum(row["seconds"].values()))
+    assert st["hybrid_wins"]["here"] is True
+    hybrid, flat = st["meshes"]  # the hybrid mesh holds the model state at S = 8, the 1-D one at W = 64
+    assert hybrid["peak_bytes"] == pytest.approx(est.formula(10**9, 0, 8, "bf16")[3]["total"])
+    assert flat["peak_bytes"] == pytest.approx(est.formula(10**9, 0, 64, "bf16")[3]["total"])
+    assert "8x8 pays in memory: " in out and "| comm s/step | peak GiB per rank |" in out, out
+    est.main(["--params", "1e9", "--mesh", "8x8", "--ranks-per-node", "64"])  # one node: no ratio to print
+    out = capsys.readouterr().out
+    assert "| 1x64 | intra (200 GB/s) | - |" in out and "than 1x64 at every bandwidth ratio" in out, out
+    default = est.main(["--params", "1e9", "--mesh", "8x8", "--json"])["step_time"]
+    capsys.readouterr()
+    assert (default["intra_gbps"], default["inter_gbps"]) == (est.DEFAULT_INTRA_GBPS, est.DEFAULT_INTER_GBPS)
+
+
+def test_calibrated_intra_bandwidth_comes_from_the_file(tmp_path, monkeypatch, capsys):
+    from shardwrap import estimate as est
+
+    committed = json.loads(est.CALIBRATION.read_text())  # benchmarks/calibrate_bandwidth.py's result
+    assert committed["allgather_busbw_gbps"] > 0 and committed["world_size"] >= 2
+    assert committed["sizes"] and committed["date"]
+    calibration = tmp_path / "gloo_bandwidth.json"
+    calibration.write_text(json.dumps({"allgather_busbw_gbps": 0.5, "world_size": 2, "date": "2025-01-01",
+                                       "function": "torch.distributed.all_gather_single"}))
+    monkeypatch.setattr(est, "CALIBRATION", calibration)
+    est.main(["--params", "1e9", "--mesh", "2x2", "--intra-gbps", "calibrated"])
+    out = capsys.readouterr().out
+    assert f"intra-node 0.5 GB/s (calibrated: gloo torch.distributed.all_gather_single bus bandwidth, 2 ranks, " \
+           f"2025-01-01 ({calibration}))" in out, out
+    monkeypatch.setattr(est, "CALIBRATION", tmp_path / "missing.json")
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--params", "1e9", "--mesh", "2x2", "--intra-gbps", "calibrated"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --intra-gbps: calibrated, but" in err and "calibrate_bandwidth.py" in err
+
+
+@pytest.mark.parametrize("args,option,says", [
+    (["--intra-gbps", "0"], "--intra-gbps", "0 GB/s is impossible"),
+    (["--intra-gbps=-5"], "--intra-gbps", "-5 GB/s is impossible"),
+    (["--intra-gbps", "nan"], "--intra-gbps", "nan GB/s is impossible"),
+    (["--intra-gbps", "fast"], "--intra-gbps", "is not a number of GB/s"),
+    (["--inter-gbps", "0"], "--inter-gbps", "0 GB/s is impossible"),
+    (["--inter-gbps=-25"], "--inter-gbps", "-25 GB/s is impossible"),
+    (["--inter-gbps", "inf"], "--inter-gbps", "inf GB/s is impossible"),
+    (["--ranks-per-node", "0"], "--ranks-per-node", "0 ranks per node is impossible"),
+    (["--ranks-per-node", "2.5"], "--ranks-per-node", "not a whole number"),
+])
+def test_bad_bandwidth_values_are_usage_errors_naming_the_option(args, option, says, capsys):
+    from shardwrap import estimate as est
+
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--params", "1e9", "--mesh", "2x4", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {option}: " in err and says in err and "Traceback" not in err, err
+
+
+def test_step_time_options_need_a_mesh(capsys):
+    from shardwrap import estimate as est
+
+    with pytest.raises(SystemExit) as exit_:
+        est.main(["--params", "1e9", "--world-size", "8", "--inter-gbps", "10"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --inter-gbps: the step-time model needs --mesh RxS (--mesh 1x8" in err

@@ -36,6 +36,8 @@ p.add_argument("--seq", type=int, default=64, help="tokens per rank per step")
 p.add_argument("--path", default="", help="directory for the offload files (default: a new one under /var/tmp)")
 p.add_argument("--compare", action="store_true", help="also train in memory and check the results are equal")
 p.add_argument("--release-pages", action="store_true")
+p.add_argument("--no-page-by-unit", action="store_true",
+               help="keep each unit's file pages during the optimizer step (shardwrap.offload.PAGE_BY_UNIT = False)")
 p.add_argument("--dd-mib", type=int, default=2048, help="size of the dd bandwidth probe (0: skip)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 args = p.parse_args()
@@ -46,6 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwrap import Offload, ShardedModule
+import shardwrap.offload
+
+shardwrap.offload.PAGE_BY_UNIT = not args.no_page_by_unit
 
 SIZES = {"xl": (48, 1600, 25), "medium": (24, 1024, 16), "small": (4, 256, 4)}  # blocks, width, heads
 VOCAB = 50257
@@ -168,7 +173,9 @@ def train(offload: Offload | None, label: str) -> dict:
         with Sampler() as mem:
             loss = sharded(ids)
             loss.backward()
-            opt.step()
+            before_step_file = rss_file()
+            with Sampler() as step_mem:
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if args.release_pages and sharded.offload_store is not None:
                 sharded.offload_store.release_pages()
@@ -176,6 +183,7 @@ def train(offload: Offload | None, label: str) -> dict:
         read1, written1 = io_bytes()
         steps.append({
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
+            "step_file_before": before_step_file, "step_peak_file": step_mem.file_peak,
             "written": written1 - written0, "loss": loss.item(),
         })
         if rank == 0:
@@ -228,8 +236,8 @@ if rank == 0:
         f"Wrap (materialize unit by unit into the files): {runs['disk']['wrap_s']:.1f} s, peak RssAnon "
         + ", ".join(f"rank {r} {g['disk']['wrap_peak_anon'] / GiB:.2f} GiB" for r, g in enumerate(gathered)),
         "",
-        "| run | step | time s | peak RssAnon per rank GiB | peak RssFile per rank GiB | read per rank GiB | written per rank GiB | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | step | time s | peak RssAnon per rank GiB | peak RssFile per rank GiB | RssFile before opt.step() GiB | peak RssFile in opt.step() GiB | read per rank GiB | written per rank GiB | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in runs:
         for i in range(args.steps):
@@ -237,6 +245,8 @@ if rank == 0:
             lines.append(
                 f"| {label} | {i} | {per[0]['time_s']:.1f} | " + " / ".join(f"{s['peak_anon'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['peak_file'] / GiB:.2f}" for s in per)
+                + " | " + " / ".join(f"{s['step_file_before'] / GiB:.2f}" for s in per)
+                + " | " + " / ".join(f"{s['step_peak_file'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['read'] / GiB:.2f}" for s in per) + " | "
                 + " / ".join(f"{s['written'] / GiB:.2f}" for s in per) + f" | {per[0]['loss']:.4f} |"
             )
@@ -257,7 +267,7 @@ if rank == 0:
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    name = f"offload_{args.size}_W{world}{'_release' if args.release_pages else ''}"
+    name = f"offload_{args.size}_W{world}{'_release' if args.release_pages else ''}{'_nopager' if args.no_page_by_unit else ''}"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, name + ".json"), "w") as f:

@@ -81,6 +81,7 @@ def disk_bytes(shard_elements: int, element_size: int = 4) -> int:
     return shard_elements * element_size * _STATE_BYTES_PER_ELEMENT // 4
 
 
+PAGE_BY_UNIT = True  # a disk-offload step releases each unit's pages when it moves on (UnitPager); benchmarks/offload.py compares
 DISK_STORES: "weakref.WeakSet[OffloadStore]" = weakref.WeakSet()  # live "disk" stores: the step hooks skip all work without one
 
 
@@ -94,6 +95,8 @@ class OffloadStore:
         self.directory: str | None = None
         self._maps: list[mmap.mmap] = []
         self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
+        self._unit_maps: dict[int, list[mmap.mmap]] = {}  # unit index -> its files' mappings
+        self._unit_of_storage: dict[int, int] = {}  # data_ptr of a file-backed storage -> its unit's index
         self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
         if self.kind == "disk":
             DISK_STORES.add(self)
@@ -108,8 +111,8 @@ class OffloadStore:
             # pages until the tensors over them die; the names go at once.
             weakref.finalize(owner, shutil.rmtree, self.directory, True)
 
-    def tensor(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new zero tensor of ``numel`` elements on the offload side."""
+    def tensor(self, name: str, numel: int, dtype: torch.dtype, unit: int) -> torch.Tensor:
+        """A new zero tensor of ``numel`` elements on the offload side, for unit number ``unit``."""
         if self.kind != "disk" or numel == 0:
             return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         assert self.directory is not None
@@ -118,8 +121,10 @@ class OffloadStore:
             f.truncate(nbytes)  # sparse: zeros, no disk blocks until written
             mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._maps.append(mapped)
+        self._unit_maps.setdefault(unit, []).append(mapped)
         out = torch.frombuffer(mapped, dtype=dtype, count=numel)
         self._disk_storages.add(out.untyped_storage().data_ptr())
+        self._unit_of_storage[out.untyped_storage().data_ptr()] = unit
         return out
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -131,7 +136,58 @@ class OffloadStore:
         """Ask the kernel to write back and drop the mapped pages (they are read again from the
         files when next touched): keeps the page cache from filling with a step's worth of state."""
         for mapped in self._maps:
-            mapped.madvise(mmap.MADV_PAGEOUT if hasattr(mmap, "MADV_PAGEOUT") else mmap.MADV_DONTNEED)
+            _page_out(mapped)
+
+    def unit_of(self, tensor: torch.Tensor) -> int | None:
+        """The index of the unit whose file ``tensor`` (a DTensor: its local tensor) lives in."""
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        return self._unit_of_storage.get(local.untyped_storage().data_ptr())
+
+    def release_unit(self, unit: int) -> None:
+        """``release_pages`` for one unit's files."""
+        for mapped in self._unit_maps.get(unit, []):
+            _page_out(mapped)
+
+
+def _page_out(mapped: mmap.mmap) -> None:
+    mapped.madvise(mmap.MADV_PAGEOUT if hasattr(mmap, "MADV_PAGEOUT") else mmap.MADV_DONTNEED)
+
+
+class UnitPager(TorchDispatchMode):
+    """During a disk-offload optimizer step: once the step moves from one unit's file-backed
+    tensors to another unit's, the pages of the unit it left are written back and dropped, so the
+    step keeps about one unit's master shard and state resident instead of the rank's whole state
+    (design/notes/offload.md). torch's per-parameter loop (the CPU default) visits a unit's
+    parameters together; a ``foreach`` step touches every unit in each op, and the pager then
+    releases nothing until the step ends. ``released`` counts the releases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._current: tuple[OffloadStore, int] | None = None
+        self.released = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for arg in args:
+            if not isinstance(arg, torch.Tensor):
+                continue
+            for store in DISK_STORES:
+                unit = store.unit_of(arg)
+                if unit is not None:
+                    self._move_to((store, unit))
+                    break
+            break  # the first tensor operand names the parameter being updated
+        return func(*args, **(kwargs or {}))
+
+    def _move_to(self, where: tuple[OffloadStore, int] | None) -> None:
+        if self._current is not None and where != self._current:
+            store, unit = self._current
+            store.release_unit(unit)
+            self.released += 1
+        self._current = where
+
+    def __exit__(self, *exc: Any) -> None:
+        self._move_to(None)  # the last unit's pages
+        super().__exit__(*exc)
 
 
 class StateOnDisk(TorchDispatchMode):

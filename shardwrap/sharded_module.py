@@ -25,13 +25,15 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import agreement, collectives, local_step
+from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
-from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, check_disk, disk_bytes
+from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.stage import Stage
 from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
@@ -43,7 +45,8 @@ _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
 _optimizer_hook_installed = False
-_STATE_MODES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOnDisk]" = weakref.WeakKeyDictionary()  # a step creating disk state
+# The dispatch modes a disk-offload step runs under (UnitPager, and StateOnDisk for a step creating state), innermost last.
+_STATE_MODES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[TorchDispatchMode]]" = weakref.WeakKeyDictionary()
 
 
 # ---- planning (pure: reads the module tree, changes nothing) ----------------------------------
@@ -415,9 +418,7 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     """Optimizer step pre-hook: refuse to step parameters that wrapping replaced; disk offload's
     state placement (``_offload_pre_step``); then an elementwise optimizer steps the local tensors
     (``local_step``; not with disk offload, whose state placement keys on the DTensors)."""
-    stale = _STATE_MODES.pop(optimizer, None)  # the last step raised before its post-hook
-    if stale is not None:
-        stale.__exit__(None, None, None)
+    _exit_step_modes(optimizer)  # the last step raised before its post-hook
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
@@ -461,6 +462,7 @@ def _offload_pre_step(optimizer: torch.optim.Optimizer) -> bool:
     if not disk:
         return False
     _settle_state(optimizer, disk)
+    modes: list[TorchDispatchMode] = [UnitPager()] if offload_module.PAGE_BY_UNIT else []  # pages of each unit done with go back
     fresh = {id(p): (unit, i) for p, unit, i in disk if not optimizer.state.get(p)}
     if fresh:
         counts: dict[int, int] = {}
@@ -474,10 +476,18 @@ def _offload_pre_step(optimizer: torch.optim.Optimizer) -> bool:
             counts[id(p)] = number + 1
             return unit.state_view(i, number, p.dtype)
 
-        mode = StateOnDisk(place)
+        modes.append(StateOnDisk(place))
+    for mode in modes:
         mode.__enter__()
-        _STATE_MODES[optimizer] = mode
+    _STATE_MODES[optimizer] = modes
     return True
+
+
+def _exit_step_modes(optimizer: torch.optim.Optimizer) -> None:
+    """Leave the dispatch modes of ``optimizer``'s disk-offload step, innermost first; the pager
+    then releases the last unit's pages."""
+    for mode in reversed(_STATE_MODES.pop(optimizer, [])):
+        mode.__exit__(None, None, None)
 
 
 def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tensor, Unit, int]]) -> None:
@@ -510,9 +520,7 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
     if local_step.leave(optimizer):  # the step ran on the local tensors (never with disk offload)
         return
-    mode = _STATE_MODES.pop(optimizer, None)
-    if mode is not None:
-        mode.__exit__(None, None, None)
+    _exit_step_modes(optimizer)
     disk = _disk_params(optimizer)
     if disk:
         _settle_state(optimizer, disk)

@@ -275,7 +275,7 @@ class Unit:
         else:
             # Sharded storage: S elements of shard plus the tag (design/notes/padding.md).
             self._sharded_storage = (
-                store.tensor(f"unit{index}-params", S + 1, self.dtype) if store is not None
+                store.tensor(f"unit{index}-params", S + 1, self.dtype, index) if store is not None
                 else torch.empty(S + 1, dtype=self.dtype, device=self.device)
             )
             with torch.no_grad():
@@ -415,7 +415,7 @@ class Unit:
         key = (self.index, number)
         arena = self.store.arenas.get(key)
         if arena is None:
-            arena = self.store.tensor(f"unit{self.index}-state{number}", self.layout.shard_numel, dtype)
+            arena = self.store.tensor(f"unit{self.index}-state{number}", self.layout.shard_numel, dtype, self.index)
             self.store.arenas[key] = arena
         view = self.layout.sharded_views(arena, self.rank)[i]
         return self.as_dtensor(view, self.layout.slots[i])

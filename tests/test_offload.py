@@ -203,3 +203,48 @@ def _the_state_created_by_a_step_is_file_backed_from_the_start(directory: str) -
 def test_adamw_state_is_born_on_disk(tmp_path):
     for placed in run_on_ranks(2, _the_state_created_by_a_step_is_file_backed_from_the_start, str(tmp_path)):
         assert placed and all(placed)
+
+
+def _units_paged_out_during_steps(directory: str, optim: str) -> dict:
+    """Runs on every rank: two disk-offload steps; each ``release_unit`` call is recorded with the
+    unit the step is on. The step visits the parameters in the optimizer's order."""
+    from shardwrap.offload import OffloadStore
+
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if optim == "adamw" else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    order = []  # each parameter's unit, in the optimizer's order, consecutive repeats merged
+    for p in opt.param_groups[0]["params"]:
+        index = model.unit_of(p)[0].index
+        if not order or order[-1] != index:
+            order.append(index)
+    released: list[int] = []
+    real = OffloadStore.release_unit
+
+    def spy(self, unit: int) -> None:
+        released.append(unit)
+        real(self, unit)
+
+    OffloadStore.release_unit = spy  # type: ignore[method-assign]
+    try:
+        per_step = []
+        for _ in range(2):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(list(released))
+            released.clear()
+    finally:
+        OffloadStore.release_unit = real  # type: ignore[method-assign]
+    return {"order": order, "per_step": per_step}
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_a_disk_step_pages_out_each_unit_when_it_moves_on(tmp_path, optim):
+    """The step's file pages are released unit by unit as torch's per-parameter loop leaves each
+    unit (``UnitPager``), the last when the step ends. AdamW's first step passes over the units
+    twice: once creating the state in the files, once updating."""
+    for r in run_on_ranks(2, _units_paged_out_during_steps, str(tmp_path), optim):
+        order = r["order"]
+        assert len(set(order)) == 4, r  # three blocks and the root (its parameters come first and last)
+        twice = order + order[1:] if order[-1] == order[0] else order * 2  # a unit left and met again is one visit
+        assert r["per_step"] == [twice if optim == "adamw" else order, order], r

@@ -174,8 +174,10 @@ def train(offload: Offload | None, label: str) -> dict:
             loss = sharded(ids)
             loss.backward()
             before_step_file = rss_file()
+            opt_start = time.perf_counter()
             with Sampler() as step_mem:
                 opt.step()
+            opt_s = time.perf_counter() - opt_start
             opt.zero_grad(set_to_none=True)
             if args.release_pages and sharded.offload_store is not None:
                 sharded.offload_store.release_pages()
@@ -183,7 +185,7 @@ def train(offload: Offload | None, label: str) -> dict:
         read1, written1 = io_bytes()
         steps.append({
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
-            "step_file_before": before_step_file, "step_peak_file": step_mem.file_peak,
+            "step_file_before": before_step_file, "step_peak_file": step_mem.file_peak, "opt_s": opt_s,
             "written": written1 - written0, "loss": loss.item(),
         })
         if rank == 0:
@@ -236,14 +238,14 @@ if rank == 0:
         f"Wrap (materialize unit by unit into the files): {runs['disk']['wrap_s']:.1f} s, peak RssAnon "
         + ", ".join(f"rank {r} {g['disk']['wrap_peak_anon'] / GiB:.2f} GiB" for r, g in enumerate(gathered)),
         "",
-        "| run | step | time s | peak RssAnon per rank GiB | peak RssFile per rank GiB | RssFile before opt.step() GiB | peak RssFile in opt.step() GiB | read per rank GiB | written per rank GiB | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | step | time s | opt.step() s | peak RssAnon per rank GiB | peak RssFile per rank GiB | RssFile before opt.step() GiB | peak RssFile in opt.step() GiB | read per rank GiB | written per rank GiB | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in runs:
         for i in range(args.steps):
             per = [g[label]["steps"][i] for g in gathered]
             lines.append(
-                f"| {label} | {i} | {per[0]['time_s']:.1f} | " + " / ".join(f"{s['peak_anon'] / GiB:.2f}" for s in per)
+                f"| {label} | {i} | {per[0]['time_s']:.1f} | {per[0]['opt_s']:.1f} | " + " / ".join(f"{s['peak_anon'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['peak_file'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['step_file_before'] / GiB:.2f}" for s in per)
                 + " | " + " / ".join(f"{s['step_peak_file'] / GiB:.2f}" for s in per)

@@ -55,6 +55,11 @@ def test_mixed_precision_with_tensor_parallelism():
     check_parity(case(stage=3, mixed_precision="bf16"), 4)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradient_accumulation_under_no_sync_with_tensor_parallelism(stage):
+    check_parity(case(stage=stage, accumulate=2, no_sync=True, optim="adamw"), 4)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     tp=st.sampled_from([2, 4]),

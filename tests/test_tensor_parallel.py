@@ -140,13 +140,15 @@ def test_torch_get_state_dict_with_tp_resumes_without_tp(optim, tmp_path):
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_full_torch_state_dict_with_tp_resumes_without_tp(optim, tmp_path):
-    """get_state_dict(full_state_dict=True) at dp2 x tp2 loads into the 1-D model at W=2."""
+    """get_state_dict(full_state_dict=True) at dp2 x tp2 loads into the 1-D model at W=2, and
+    set_state_dict(full_state_dict=True) puts it back into dp2 x tp2."""
     run = case(stage=3, optim=optim, steps=4)
     expected, _, _ = train_reference(run)
     path = str(tmp_path / "full.pt")
     run_on_ranks(4, on_ranks_save, run, path, 2, True)
     plain = case(run, tp=0)
     compare(plain, 2, run_on_ranks(2, on_ranks_resume, plain, path, 2, True), reference=(expected, [], []))
+    compare(run, 4, run_on_ranks(4, on_ranks_resume, run, path, 2, True), reference=(expected, [], []))
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])

@@ -40,10 +40,6 @@ class TensorParallel:
     shape: torch.Size  # the parameter's global shape
     stride: tuple[int, ...]  # and its global stride
 
-    @property
-    def replicated(self) -> bool:
-        return all(p.is_replicate() for p in self.placements)
-
     def view(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's TP shard, or a tensor shaped like it) as the TP DTensor the
         module's own forward (and its TP hooks) expect. Differentiable: the gradient of the DTensor

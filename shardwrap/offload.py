@@ -159,12 +159,11 @@ class UnitPager(TorchDispatchMode):
     step keeps about one unit's master shard and state resident instead of the rank's whole state
     (design/notes/offload.md). torch's per-parameter loop (the CPU default) visits a unit's
     parameters together; a ``foreach`` step touches every unit in each op, and the pager then
-    releases nothing until the step ends. ``released`` counts the releases."""
+    releases nothing until the step ends."""
 
     def __init__(self) -> None:
         super().__init__()
         self._current: tuple[OffloadStore, int] | None = None
-        self.released = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for arg in args:
@@ -182,7 +181,6 @@ class UnitPager(TorchDispatchMode):
         if self._current is not None and where != self._current:
             store, unit = self._current
             store.release_unit(unit)
-            self.released += 1
         self._current = where
 
     def __exit__(self, *exc: Any) -> None:

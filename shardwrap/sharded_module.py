@@ -1065,11 +1065,12 @@ class ShardedModule(nn.Module):
         # parallelism every rank holds a different part: sum over all, counting each part once.
         group = self.world_group if self.tp_mesh is not None else self.shard_mesh.get_group()
         grads, counted = [], []
+        coordinate = list(self.dtensor_mesh.get_coordinate() or [])
         for p in self.parameters():
             if p.grad is None or local_of(p.grad).numel() == 0:
                 continue
             grads.append(local_of(p.grad))
-            if self._counts_in_norm(p):
+            if self._counts_in_norm(p, coordinate):
                 counted.append(grads[-1])
         device = self._units[0].device
         if norm_type == float("inf"):
@@ -1090,7 +1091,7 @@ class ShardedModule(nn.Module):
             g.mul_(clip.to(g.dtype))
         return total
 
-    def _counts_in_norm(self, p: torch.Tensor) -> bool:
+    def _counts_in_norm(self, p: torch.Tensor, coordinate: list[int]) -> bool:
         """Whether this rank's local gradient of ``p`` is added into the norm: a part replicated
         over the shard axis (a 0-dim parameter) or over the TP axis (a parameter TP leaves whole,
         or one it does not parallelize) counts on the axis's first rank only."""
@@ -1099,7 +1100,6 @@ class ShardedModule(nn.Module):
             return True
         unit, i = found
         placements = unit.placements_of(unit.layout.slots[i])
-        coordinate = list(self.dtensor_mesh.get_coordinate() or [])
         first_axis = 0 if self.tp_mesh is not None else self.dtensor_mesh.ndim - 1  # hybrid: skip the replicate axis
         return all(c == 0 for c, pl in list(zip(coordinate, placements))[first_axis:] if pl.is_replicate())
 

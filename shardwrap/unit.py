@@ -229,8 +229,10 @@ class Unit:
         self.dtensor_mesh = dtensor_mesh if dtensor_mesh is not None else mesh
         tp = list(tensor_parallel) if tensor_parallel is not None else []
         # Axes of dtensor_mesh besides the shard axis: hybrid's replicate axis comes before it, the
-        # tensor-parallel axis after it; a parameter without TP is replicated over either.
-        self.tensor_parallel = bool(tp)
+        # tensor-parallel axis after it; a parameter without TP is replicated over either. Whether
+        # the model uses TP is given, not read off this unit's parameters: a unit with none (or none
+        # that TP splits) places alike (the loaders build DTensors through the first unit).
+        self.tensor_parallel = tensor_parallel is not None
         before = 0 if self.tensor_parallel else self.dtensor_mesh.ndim - 1
         self._replicated_axes = (Replicate(),) * before
         self._replicated_after = (Replicate(),) * (self.dtensor_mesh.ndim - 1 - before)
@@ -346,8 +348,8 @@ class Unit:
         strided (``_StridedShard``, as torch's ``fully_shard`` places them); then its TP placement."""
         if slot.tp is None:
             return self.placements(slot.replicated)
-        splits = [self.dtensor_mesh.size(1)] if any(p.is_shard(0) for p in slot.tp.placements) else []
-        rows = _StridedShard(0, split_factor=splits[0]) if splits else Shard(0)
+        strided = any(p.is_shard(0) for p in slot.tp.placements)
+        rows = _StridedShard(0, split_factor=self.dtensor_mesh.size(1)) if strided else Shard(0)
         return (rows, *slot.tp.placements)
 
     def _shard_version(self) -> int:

@@ -40,6 +40,11 @@ def mlp(dim: int = 16, depth: int = 3, out: int = 5) -> nn.Module:
     return MLP(dim, depth, out)
 
 
+def blocks(dim: int = 16, depth: int = 2) -> nn.Module:
+    """Blocks and nothing else: with Block units the root unit holds no parameter."""
+    return nn.Sequential(*(Block(dim) for _ in range(depth)))
+
+
 def gpt2(
     n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 96, n_positions: int = 16, use_cache: bool = True
 ) -> nn.Module:

@@ -165,6 +165,19 @@ def test_save_checkpoint_with_tp_reshards_to_1d_and_back(optim, tmp_path):
     compare(last, 4, run_on_ranks(4, on_ranks_shardwrap_resume, last, second, range(3, 4), None), reference=(expected, [], []))
 
 
+def test_checkpoint_with_tp_when_the_root_unit_has_no_parameters(tmp_path):
+    """Every unit places its parameters' optimizer state alike, the root too when it holds no
+    parameter (the loaders build their DTensors through the first unit): save at dp2 x tp2, resume
+    there for a step and save the loaded state again, resume 1-D: the uninterrupted trajectory."""
+    run = case(build="blocks", build_kwargs={"dim": 16, "depth": 2}, out=16, stage=3, optim="adamw", steps=4)
+    expected, _, _ = train_reference(run)
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    run_on_ranks(4, on_ranks_shardwrap_save, run, first, range(0, 2))
+    run_on_ranks(4, on_ranks_shardwrap_resume, run, first, range(2, 3), second)
+    plain = case(run, tp=0)
+    compare(plain, 2, run_on_ranks(2, on_ranks_shardwrap_resume, plain, second, range(3, 4), None), reference=(expected, [], []))
+
+
 def on_ranks_optim_full_round_trip(c: Case) -> dict:
     model, opt = make(c)
     train(c, model, opt, range(2))

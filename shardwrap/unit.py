@@ -606,6 +606,12 @@ class Unit:
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
         self.post_backward()
 
+    def _views_done(self, grad_outputs: object) -> None:
+        """Autograd node pre-hook on the views' split: the unit's parameters have done their part
+        in this backward; free them before the flat gradient is allocated (stage 3)."""
+        if self.data_state is DataState.UNSHARDED:
+            self.reshard()
+
     # ---- data-state transitions ---------------------------------------------------------------
 
     def unshard(self, *, async_op: bool = False) -> None:
@@ -776,6 +782,12 @@ class Unit:
         ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
+        if self.stage.reshard_after_backward and self.layout.num_trainable and views[0].grad_fn is not None:
+            # The split node that turns the views' gradients into the flat gradient runs once
+            # every op that used them in this backward is done: reshard before it allocates the
+            # flat gradient (design/notes/prefetch.md, "Resharding before the flat gradient").
+            split = views[0].grad_fn.next_functions[0][0]
+            split.register_prehook(_weak(self._views_done))
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
                 views[i] = slot.tp.view(views[i])

@@ -167,6 +167,34 @@ def test_backward_prefetches_only_after_the_first_unit_finished_its_backward():
         assert seen == [("blocks.2", []), ("blocks.1", ["blocks.0"]), ("blocks.0", [])], seen
 
 
+def on_ranks_reshard_before_flat_grad(stage: int) -> list:
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, stage=stage)
+    seen = []
+    for unit in model.units[1:]:
+        def arrived(grad, unit=unit):  # the flat gradient exists: autograd's split node has run
+            seen.append((unit.name, unit.data_state.name, unit.unsharded_buffer.untyped_storage().nbytes()))
+
+        unit.unsharded_trainable.register_hook(arrived)
+    x = global_batch(MLP, 0)["x"].chunk(dist.get_world_size())[dist.get_rank()]
+    model(x).pow(2).mean().backward()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_unit_frees_its_parameters_before_its_flat_gradient_is_allocated(stage):
+    # The stages that reshard after backward (2 and 3) never hold a unit's full parameters and
+    # its full flat gradient at once (the end of backward's peak, design/notes/prefetch.md);
+    # stage 1 keeps the parameters.
+    for seen in run_on_ranks(2, on_ranks_reshard_before_flat_grad, stage):
+        assert [name for name, _, _ in seen] == ["blocks.2", "blocks.1", "blocks.0"], seen
+        if stage > 1:
+            assert all(state == "SHARDED" and nbytes == 0 for _, state, nbytes in seen), seen
+        else:
+            assert all(state == "UNSHARDED" and nbytes > 0 for _, state, nbytes in seen), seen
+
+
 # ---- memory and communication per stage ----------------------------------------------------------
 
 

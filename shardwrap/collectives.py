@@ -125,6 +125,21 @@ def uses_pairwise(group: dist.ProcessGroup, device: torch.device, nbytes: int) -
     )
 
 
+# The smallest mean piece (bytes per rank) for which a unit's collectives send per-parameter pieces.
+# Every piece is a message of its own, at roughly 0.1 ms of host time a send and receive pair on
+# gloo here; below this a unit of many small parameters (a GPT-2 block: 13 pieces of 0.12 MB) is
+# faster as one message and a copy-out (design/notes/cpu-collectives.md, "Pieces or one message").
+PIECES_MIN_BYTES = 256 << 10
+
+
+def sends_pieces(group: dist.ProcessGroup, device: torch.device, shard_bytes: int, pieces: int) -> bool:
+    """Whether a unit's all-gather or reduce-scatter of ``shard_bytes`` per rank, cut in
+    ``pieces`` (its parameters and the tag), sends the pieces as messages of their own (the
+    pairwise path, each piece straight to where it belongs) rather than one contiguous message.
+    The same answer on every rank: sizes, dtype and group only."""
+    return uses_pairwise(group, device, shard_bytes) and shard_bytes >= max(PIECES_MIN_BYTES, 1) * pieces
+
+
 def _gather_pieces(rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torch.Tensor], group: dist.ProcessGroup) -> "PairwiseWork":
     """Post every peer's pieces into its rows and copy this rank's own (unless already in place)."""
     me, world = dist.get_rank(group), dist.get_world_size(group)

@@ -646,7 +646,7 @@ class Unit:
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
-        if collectives.uses_pairwise(self.group, send.device, send.numel() * send.element_size()):
+        if collectives.sends_pieces(self.group, send.device, send.numel() * send.element_size(), len(layout.slots) + 1):
             # Each peer's chunk of each parameter goes straight to its rows of the unsharded
             # buffer, the tags to a (W,) tensor: no rank-major buffer, no copy-out
             # (design/notes/cpu-collectives.md).
@@ -935,8 +935,8 @@ class Unit:
         Stage 1 keeps packing: its persistent gradient buffer is zeroed right after the pack."""
         if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
             return False
-        nbytes = self.world_size * (self.layout.grad_shard_numel + 1) * self.reduce_dtype.itemsize
-        return collectives.uses_pairwise(self.reduce_group, self.device, nbytes)
+        shard_bytes = (self.layout.grad_shard_numel + 1) * self.reduce_dtype.itemsize
+        return collectives.sends_pieces(self.reduce_group, self.device, shard_bytes, self.layout.num_trainable + 1)
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""

@@ -58,6 +58,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, path: list[str], p
     # The test models are tiny: every data collective takes the pairwise path the large ones take
     # (design/notes/cpu-collectives.md); test_collectives.py covers torch's path against it.
     shardwrap.collectives.PAIRWISE_MIN_BYTES = 1
+    shardwrap.collectives.PIECES_MIN_BYTES = 1  # and the per-piece form of it; test_collectives.py runs the one-message form
     while True:
         message = conn.recv()
         if message is None:

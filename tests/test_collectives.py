@@ -90,3 +90,54 @@ def _counted(n: int) -> dict:
 def test_counter_counts_the_logical_collective():
     for counts in run_on_ranks(2, _counted, 100):
         assert counts["reduce_scatter"] == 200 and counts["all_gather"] == 100, counts
+
+
+# ---- a unit's collectives as one message per peer -------------------------------------------------
+
+
+def _one_message_per_peer(case, world_size: int) -> dict:
+    """``parity.train_sharded`` with every unit's all-gather and reduce-scatter sent as one
+    contiguous message per peer (the form units of many small parameters take; the harness makes
+    every unit send pieces), and which form each unit took."""
+    import parity
+
+    saved = collectives.PIECES_MIN_BYTES
+    collectives.PIECES_MIN_BYTES = 1 << 40
+    try:
+        result = parity.train_sharded(case)
+        from shardwrap import ShardedModule
+
+        model = ShardedModule(parity.build_model(case), auto_wrap_policy=parity.resolve_policy(case), stage=case.stage)
+        result["direct"] = [u._reduces_directly() for u in model.units if u.has_trainable]
+    finally:
+        collectives.PIECES_MIN_BYTES = saved
+    return result
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_units_sending_one_message_per_peer_match_the_single_process_model(stage, optim):
+    from parity import Case, compare
+
+    case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, stage=stage)
+    results = run_on_ranks(2, _one_message_per_peer, case, 2)
+    assert all(not any(r["direct"]) for r in results), [r["direct"] for r in results]
+    compare(case, 2, results)
+
+
+def test_a_unit_sends_pieces_only_when_they_are_large():
+    # 13 pieces of 0.12 MB (a GPT-2 block at W=2) go as one message; 3 pieces of 2.7 MB as pieces
+    sizes = {"gpt2 block": (1_580_000, 13), "recipe linear": (8_004_004, 3)}
+    got = run_on_ranks(2, _sends_pieces, sizes)
+    for r in got:
+        assert r == {"gpt2 block": False, "recipe linear": True}, r
+
+
+def _sends_pieces(sizes: dict) -> dict:
+    saved = collectives.PIECES_MIN_BYTES
+    collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = 256 << 10, 64 << 10
+    try:
+        cpu = torch.device("cpu")
+        return {k: collectives.sends_pieces(dist.group.WORLD, cpu, n, pieces) for k, (n, pieces) in sizes.items()}
+    finally:
+        collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = saved, 1

@@ -1025,6 +1025,7 @@ class ShardedModule(nn.Module):
                     unit.finish_grad()
         schedule.end_backward()
         for unit in self._units:
+            unit.end_backward()
             if self.switches.reshard_after_backward:
                 unit.reshard()
             else:

@@ -253,6 +253,7 @@ class Unit:
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
+        self._backward_uses = 0  # forward calls whose outputs await a gradient (see _views_done)
         self._data = DataState.SHARDED  # the stored state; ``data_state`` adds staleness
         self._grad = GradState.NONE
         self._gather: _Gather | None = None  # while GATHERING
@@ -550,6 +551,7 @@ class Unit:
         wants_grad = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
+            self._backward_uses += 1
             root.schedule.record_post_forward(self)
             root.expect_backward = True
         # Backward gathers the root first and then the unit that ended the forward: resharding
@@ -607,10 +609,17 @@ class Unit:
         self.post_backward()
 
     def _views_done(self, grad_outputs: object) -> None:
-        """Autograd node pre-hook on the views' split: the unit's parameters have done their part
-        in this backward; free them before the flat gradient is allocated (stage 3)."""
-        if self.data_state is DataState.UNSHARDED:
+        """Autograd node pre-hook on the views' split: the views of one forward call have done
+        their part in this backward; after the last call's, free the parameters before the flat
+        gradient is allocated (stages 2 and 3). A unit called several times in one forward stays
+        gathered until its last call's backward, as post_backward would keep it."""
+        self._backward_uses = max(self._backward_uses - 1, 0)
+        if self._backward_uses == 0 and self.data_state is DataState.UNSHARDED:
             self.reshard()
+
+    def end_backward(self) -> None:
+        """The end of backward: forward calls whose outputs got no gradient are not waited for."""
+        self._backward_uses = 0
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -738,6 +747,7 @@ class Unit:
             collectives.wait(reduction.replica_work)
         self._packed = None
         self._reentered = 0
+        self._backward_uses = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
@@ -782,12 +792,14 @@ class Unit:
         ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
-        if self.stage.reshard_after_backward and self.layout.num_trainable and views[0].grad_fn is not None:
+        view_node = views[0].grad_fn if views else None
+        if self.stage.reshard_after_backward and self.layout.num_trainable and view_node is not None:
             # The split node that turns the views' gradients into the flat gradient runs once
             # every op that used them in this backward is done: reshard before it allocates the
             # flat gradient (design/notes/prefetch.md, "Resharding before the flat gradient").
-            split = views[0].grad_fn.next_functions[0][0]
-            split.register_prehook(_weak(self._views_done))
+            split = view_node.next_functions[0][0]
+            if split is not None:
+                split.register_prehook(_weak(self._views_done))
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
                 views[i] = slot.tp.view(views[i])

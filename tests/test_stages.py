@@ -195,6 +195,34 @@ def test_a_unit_frees_its_parameters_before_its_flat_gradient_is_allocated(stage
             assert all(state == "UNSHARDED" and nbytes > 0 for _, state, nbytes in seen), seen
 
 
+def on_ranks_backward_gathers_of_a_unit_called_three_times() -> int:
+    from shardwrap import ShardedModule
+    from shardwrap.unit import DataState, Unit
+
+    model = ShardedModule(models.twice(), auto_wrap_policy={models.Block}, stage=3)
+    gathers = []
+    original = Unit.unshard
+
+    def counted(unit, *args, **kwargs):
+        if unit.name == "shared" and unit.data_state is DataState.SHARDED and model.in_backward():
+            gathers.append(unit.name)
+        return original(unit, *args, **kwargs)
+
+    Unit.unshard = counted  # type: ignore[method-assign]
+    try:
+        x = torch.randn(4, 16)
+        model(x).pow(2).mean().backward()
+    finally:
+        Unit.unshard = original  # type: ignore[method-assign]
+    return len(gathers)
+
+
+def test_a_unit_called_three_times_is_gathered_once_in_backward():
+    # The early reshard waits for the backward of the unit's last forward call: resharding after
+    # each call's views were done would gather it again for the next (three all-gathers, not one).
+    assert run_on_ranks(2, on_ranks_backward_gathers_of_a_unit_called_three_times) == [1, 1]
+
+
 # ---- memory and communication per stage ----------------------------------------------------------
 
 

@@ -128,14 +128,15 @@ def test_units_sending_one_message_per_peer_match_the_single_process_model(stage
 def test_a_unit_sends_pieces_only_when_they_are_large():
     # 13 pieces of 0.12 MB (a GPT-2 block at W=2) go as one message; 3 pieces of 2.7 MB as pieces
     sizes = {"gpt2 block": (1_580_000, 13), "recipe linear": (8_004_004, 3)}
-    got = run_on_ranks(2, _sends_pieces, sizes)
+    defaults = collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES  # this process: the library's own
+    got = run_on_ranks(2, _sends_pieces, sizes, defaults)
     for r in got:
         assert r == {"gpt2 block": False, "recipe linear": True}, r
 
 
-def _sends_pieces(sizes: dict) -> dict:
+def _sends_pieces(sizes: dict, defaults: tuple[int, int]) -> dict:
     saved = collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES  # the harness sets both to 1
-    collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = 256 << 10, 64 << 10  # the library's values
+    collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = defaults
     try:
         cpu = torch.device("cpu")
         return {k: collectives.sends_pieces(dist.group.WORLD, cpu, n, pieces) for k, (n, pieces) in sizes.items()}

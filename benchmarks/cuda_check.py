@@ -172,7 +172,7 @@ def attempt(what: str, fn: Any, *a: Any) -> Any:
         gc.collect()
         if ON_GPU:
             torch.cuda.empty_cache()
-    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items() if k != "streams"} if isinstance(out, dict) else None
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items() if k != "streams"} if isinstance(out, dict) else out
     print(f"[cuda_check] {what}: {'RAISED' if out is None else shown} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return out
 
@@ -226,6 +226,28 @@ for impl in ["shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s1 bf16"
         if not row["ok"]:
             failures.append(f"parity {impl}: {row}")
 report["parity"] = parity
+
+
+def clip_norm(impl: str) -> float:
+    """The whole gradient's norm after one backward, from ``model.clip_grad_norm_`` (torch's on the
+    unwrapped model); clipping must also reach offloaded gradients, which live on the host."""
+    model, _ = wrap(impl)
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    if impl == "single":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    return model.clip_grad_norm_(0.5).item()
+
+
+clip_ref = attempt("clip single", clip_norm, "single")
+clips: dict[str, float] = {}
+for impl in ["shardwrap s3", "shardwrap s3 cpu-offload"]:
+    norm = attempt(f"clip {impl}", clip_norm, impl)
+    if norm is not None and clip_ref is not None:
+        clips[impl] = norm
+        if abs(norm - clip_ref) > 1e-4 * clip_ref:
+            failures.append(f"clip {impl}: norm {norm} against {clip_ref} unwrapped")
+report["clip"] = {"single": clip_ref, **clips}
 
 # ---- 2. overlap ---------------------------------------------------------------------------------
 
@@ -333,6 +355,8 @@ lines = [f"# CUDA check: {report['device']}, torch {report['torch']}, GPT-2 {SHA
          "|---|---|---|---|---|---|---|"]
 lines += [f"| {k} | {v['max |param - ref|']:.2e} | {v['|params - ref| / |ref - init|']:.3f} | {v['max |loss - ref|']:.2e} | "
           f"{', '.join(v['master dtypes'])} | {', '.join(v['devices'])} | {v['ok']} |" for k, v in parity.items()]
+lines += [f"\n`clip_grad_norm_(0.5)` after one backward: unwrapped {clip_ref}, "
+          + ", ".join(f"{k} {v}" for k, v in clips.items()) + "\n"]
 lines += ["\n## Streams (stage 3, bf16)\n"]
 if "streams" in overlap:
     lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",

@@ -233,15 +233,27 @@ def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | N
     return work, out
 
 
+def carrier_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small tensor of this package's own (digests, headers) must live for a collective on
+    ``group``: the host when the group has a CPU backend (gloo, ``"cpu:gloo,cuda:nccl"``, the fake
+    group), else this process's current GPU. An NCCL-only group carries no host tensor: a CPU
+    int64 all-gather there raises "No backend type associated with device type cpu"."""
+    try:
+        group._get_backend(torch.device("cpu"))
+        return torch.device("cpu")
+    except RuntimeError:
+        return torch.device("cuda")  # the current device, as torch's object collectives use
+
+
 def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, what: str = "", kind: str = "ints") -> list[list[int]]:
     """Every rank's list of ``len(values)`` int64 values, in rank order (one small collective).
 
     With 2 ranks, rank 0 passing ``[7, 1]`` and rank 1 passing ``[7, 2]``, both get
     ``[[7, 1], [7, 2]]``. Counted under ``kind``. The output starts as this rank's values
     repeated, so a fake process group (which moves nothing) reports every rank equal. ``what``
-    names the collective in a timeout error.
+    names the collective in a timeout error. The values travel on ``carrier_device(group)``.
     """
-    mine = torch.tensor(list(values), dtype=torch.int64)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=carrier_device(group))
     _count_tensor(kind, mine)
     out = mine.repeat(dist.get_world_size(group))
     wait(_all_gather_single(out, mine, group=group, async_op=True), what)

@@ -142,3 +142,40 @@ def _sends_pieces(sizes: dict, defaults: tuple[int, int]) -> dict:
         return {k: collectives.sends_pieces(dist.group.WORLD, cpu, n, pieces) for k, (n, pieces) in sizes.items()}
     finally:
         collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = saved
+
+
+_WITHOUT_CPU_BACKEND = """
+import socket, torch, torch.distributed as dist
+from shardwrap import collectives
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+# gloo registered for CUDA tensors only: like an NCCL-only group, it carries no host tensor
+dist.init_process_group("cuda:gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+try:
+    out = torch.empty(2, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([1, 2]), group=dist.group.WORLD)
+    print("host tensor: carried")
+except RuntimeError as e:
+    print("host tensor: refused" if "No backend type associated with device type cpu" in str(e) else f"host tensor: {e}")
+print("carrier:", collectives.carrier_device(dist.group.WORLD).type)
+"""
+
+
+def test_small_collectives_use_a_device_the_group_carries():
+    """``all_gather_ints`` (the construction-time model check, the headers) put host tensors on
+    every group until a review found that an NCCL-only group refuses them: every ShardedModule of
+    two or more GPUs on ``init_process_group("nccl")`` raised while wrapping. A group of gloo for
+    CUDA tensors alone stands in for NCCL here, on the CPU."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_CPU_BACKEND], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "host tensor: refused" in done.stdout, done.stdout  # the stand-in behaves like NCCL
+    assert "carrier: cuda" in done.stdout, done.stdout
+    [found] = run_on_ranks(1, _carrier_type)
+    assert found == "cpu"  # a gloo group keeps its small tensors on the host
+
+
+def _carrier_type() -> str:
+    return collectives.carrier_device(dist.group.WORLD).type

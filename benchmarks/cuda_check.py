@@ -9,6 +9,8 @@ check fails:
 1. parity: shardwrap stages 1, 2 and 3 train the same as the unwrapped model on the same device,
    in fp32 (TF32 off), under a bf16 policy (bf16 compute, fp32 reduce, fp32 master), and with
    ``Offload("cpu")`` at stages 2 and 3, whose parameters must be the host shards themselves;
+   clipping with and without offload; offload with a parameterless root, ``model.to(device)``
+   after wrapping and an evaluation forward between backward and step (SGD + momentum);
 2. overlap: a profiler trace of stage-3 bf16 steps shows on which CUDA streams the all-gathers and
    reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
@@ -249,6 +251,53 @@ for impl in ["shardwrap s3", "shardwrap s3 cpu-offload"]:
             failures.append(f"clip {impl}: norm {norm} against {clip_ref} unwrapped")
 report["clip"] = {"single": clip_ref, **clips}
 
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def offload_extras(stage: int) -> dict[str, Any]:
+    """Offload in what a training loop does besides the step: a root unit with no parameters of its
+    own (the device clip_grad_norm_ computes on comes from it), ``model.to(device)`` after wrapping
+    (Lightning and accelerate call it), and an evaluation forward between backward and step (its
+    shard copies must be read before the host step rewrites the shards). SGD with momentum against
+    the unwrapped model."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[Block() for _ in range(3)]).to(device)
+    model = nn.Sequential(*[Block() for _ in range(3)]).to(device)
+    model.load_state_dict(ref.state_dict())
+    model = ShardedModule(model, auto_wrap_policy={Block}, stage=stage, offload=Offload("cpu"))
+    model.to(device)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    for step in range(4):
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step)).to(device)
+        for m, opt in zip((ref, model), opts):
+            m(x).pow(2).mean().backward()
+            with torch.no_grad():
+                m(x * 2)  # an evaluation between backward and step
+            if m is ref:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.005)  # below the norm (~0.02): it clips
+            else:
+                model.clip_grad_norm_(0.005)
+            opt.step()
+            opt.zero_grad()
+    full = model.full_state_dict()
+    gap = max((full[k].float().cpu() - v.float().cpu()).abs().max().item() for k, v in ref.state_dict().items())
+    devices = sorted({p.device.type for p in model.parameters()})
+    ok = gap < 1e-5 and devices == ["cpu"]
+    if not ok:
+        failures.append(f"offload extras s{stage}: max |param - ref| {gap}, parameters on {devices}")
+    return {"max |param - ref|": gap, "devices": devices, "ok": ok}
+
+
+extras = {f"s{stage}": attempt(f"offload extras s{stage}", offload_extras, stage) for stage in (2, 3)}
+report["offload extras"] = extras
+
 # ---- 2. overlap ---------------------------------------------------------------------------------
 
 
@@ -357,6 +406,8 @@ lines += [f"| {k} | {v['max |param - ref|']:.2e} | {v['|params - ref| / |ref - i
           f"{', '.join(v['master dtypes'])} | {', '.join(v['devices'])} | {v['ok']} |" for k, v in parity.items()]
 lines += [f"\n`clip_grad_norm_(0.5)` after one backward: unwrapped {clip_ref}, "
           + ", ".join(f"{k} {v}" for k, v in clips.items()) + "\n"]
+lines += [f"\nOffload with a parameterless root, `model.to(device)`, an evaluation between backward and step and "
+          f"clipping (SGD + momentum): " + ", ".join(f"{k}: {v}" for k, v in extras.items()) + "\n"]
 lines += ["\n## Streams (stage 3, bf16)\n"]
 if "streams" in overlap:
     lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",

@@ -26,6 +26,8 @@ What the strategy does, in Lightning's order:
 
 from __future__ import annotations
 
+import itertools
+
 import io
 import os
 from collections.abc import Generator, Mapping
@@ -143,7 +145,13 @@ class ShardwrapStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        offload = self._wrap_kwargs["offload"]
+        if backend == "nccl" and offload is not None and offload.enabled:
+            # offloaded gradients are host tensors: gradient_clip_val (torch's clip_grad_norm_) and
+            # 16-mixed (a GradScaler) reduce over them, which needs a CPU backend too
+            backend = "cpu:gloo,cuda:nccl"
+        self._process_group_backend = self._process_group_backend or backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id)
@@ -182,6 +190,9 @@ class ShardwrapStrategy(ParallelStrategy):
         precision = getattr(self.precision_plugin, "precision", "32-true")
         if mixed is None and precision in _MIXED:
             mixed = MixedPrecision(param_dtype=_MIXED[precision], reduce_dtype=torch.float32)
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        if not any(t.is_meta for t in tensors):  # Lightning's model_to_device, before the shards exist
+            module.to(self.root_device)
         try:
             return ShardedModule(module, stage=self.stage, mixed_precision=mixed, **self._wrap_kwargs)
         except ValueError as exc:
@@ -190,7 +201,7 @@ class ShardwrapStrategy(ParallelStrategy):
             raise ValueError(f"{exc} (pass it as ShardwrapStrategy(param_init_fn=...)); configure_model() left the model on the meta device") from None
 
     def model_to_device(self) -> None:
-        pass  # the shards live where ShardedModule put them
+        pass  # _wrap moved the module before sharding; the shards live where ShardedModule put them
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -419,6 +419,7 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     state placement (``_offload_pre_step``); then an elementwise optimizer steps the local tensors
     (``local_step``; not with disk offload, whose state placement keys on the DTensors)."""
     _exit_step_modes(optimizer)  # the last step raised before its post-hook
+    roots: dict[int, ShardedModule] = {}  # offloaded models whose shards this step rewrites on the host
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
@@ -428,6 +429,11 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     f"wrapped the model; it never receives a gradient. Build the optimizer after "
                     f"wrapping, from model.parameters()"
                 )
+            unit = _unit_of_param(p)
+            if unit is not None and unit.store is not None:
+                roots.setdefault(id(unit._root), unit._root)
+    for root in roots.values():
+        root.finish_host_copies()
     if _offload_pre_step(optimizer):
         return None
     return local_step.enter(optimizer, _unit_of_param, kwargs, args)
@@ -673,9 +679,18 @@ class ShardedModule(nn.Module):
         self.steps_done = 0  # backward passes finished (error messages name the step)
         self.sync = True  # False inside no_sync()
         self.offload = offload or Offload()
+        if self.offload.enabled and device.type != "cpu" and collectives.carrier_device(self.world_group).type != "cpu":
+            warnings.warn(
+                f"ShardedModule: offload={self.offload.optimizer!r} keeps the gradients on the host, but this "
+                f"process group has no CPU backend. torch.nn.utils.clip_grad_norm_ and a GradScaler (fp16) "
+                f"reduce over host tensors and will fail. Use init_process_group('cpu:gloo,cuda:nccl'), or "
+                f"model.clip_grad_norm_(), which works on any group",
+                stacklevel=2,
+            )
         store = OffloadStore(self.offload, collectives.rank(), self) if self.offload.enabled else None
         self.offload_store = store
         self._copy_stream: torch.cuda.Stream | None = None
+        self._copies_pending = False  # copies on _copy_stream since the last finish_host_copies
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -695,7 +710,7 @@ class ShardedModule(nn.Module):
                 slots=plan.slots, mesh=self.shard_mesh, reduce_group=reduce_group, stage=switches,
                 dtensor_mesh=self.dtensor_mesh, replicate_group=self.replicate_group, tensor_parallel=tp,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
-                store=store,
+                store=store, device=device,
             )
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):
                 self._unit_of[id(new)] = (unit, j)
@@ -745,13 +760,18 @@ class ShardedModule(nn.Module):
         tensor (Lightning's ``.to(device)`` on the device the model is on) does nothing; one that
         would change a dtype or a device is refused before anything moves. The parameters are
         DTensor views of each unit's flat shard; converting them one by one would cut them off it."""
-        named = [(f"parameter '{n}'", local_of(t)) for n, t in self.named_parameters()]
-        named += [(f"buffer '{n}'", t) for n, t in self.named_buffers()]
+        named: list[tuple[str, torch.dtype, torch.device]] = []
+        for n, t in self.named_parameters():
+            found = self.unit_of(t)
+            # an offloaded parameter is a host tensor, but the model computes on its unit's device:
+            # ``.to(that device)`` moves nothing and must pass
+            named.append((f"parameter '{n}'", t.dtype, found[0].device if found is not None else local_of(t).device))
+        named += [(f"buffer '{n}'", t.dtype, t.device) for n, t in self.named_buffers()]
         probes: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device]] = {}
-        for what, tensor in named:
-            key = (tensor.dtype, tensor.device)
+        for what, dtype_, device_ in named:
+            key = (dtype_, device_)
             if key not in probes:
-                out = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+                out = fn(torch.empty(0, dtype=dtype_, device=device_))
                 probes[key] = (out.dtype, out.device)
             if probes[key] != key:
                 (dtype, device), (new_dtype, new_device) = key, probes[key]
@@ -836,11 +856,22 @@ class ShardedModule(nn.Module):
         finally:
             self.in_call = False
 
-    def copy_stream(self) -> "torch.cuda.Stream":
-        """The CUDA stream that offloaded units copy their shards to the device on (made once)."""
+    def copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The CUDA stream that offloaded units copy their shards to ``device`` on (made once, on
+        that device whatever the current one is)."""
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
+            self._copy_stream = torch.cuda.Stream(device=device)
+        self._copies_pending = True
         return self._copy_stream
+
+    def finish_host_copies(self) -> None:
+        """Block the host until every shard copy to the device has been read: the optimizer's
+        host step rewrites those pinned shards in place. After a backward the blocking gradient
+        copies already ordered them; a forward between backward and step (an evaluation) leaves
+        copies in flight (design/notes/offload.md)."""
+        if self._copies_pending and self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        self._copies_pending = False
 
     @property
     def units(self) -> list[Unit]:

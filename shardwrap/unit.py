@@ -226,6 +226,7 @@ class Unit:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         store: OffloadStore | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """Shard ``params`` (full and already identical on every rank) over the 1-D ``mesh``; with a
         ``store``, the master shard lives there (design/notes/offload.md). Hybrid sharding
@@ -262,7 +263,9 @@ class Unit:
         self.stage = stage
         self.slots = [list(s) for s in slots]
         self.layout = FlatLayout(fqns, params, self.world_size, tp or None)
-        self.device = params[0].device if params else torch.device("cpu")  # where gathers and compute run
+        # Where gathers and compute run: the model's device, also for a unit without parameters of
+        # its own (a root over blocks), which clip_grad_norm_ and the copy stream consult.
+        self.device = device if device is not None else params[0].device if params else torch.device("cpu")
         self.store = store
         self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
         self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
@@ -662,12 +665,12 @@ class Unit:
         if self.store is not None:  # the master shard is on the offload side: stage it here
             send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
             if self.device.type == "cuda":  # on a copy stream of its own, ordered before the gather
-                stream = self._root.copy_stream()
-                stream.wait_stream(torch.cuda.current_stream())
+                stream, compute = self._root.copy_stream(self.device), torch.cuda.current_stream(self.device)
+                stream.wait_stream(compute)
                 with torch.cuda.stream(stream):
                     send.copy_(self.read_shard(), non_blocking=True)
                 send.record_stream(stream)
-                torch.cuda.current_stream().wait_stream(stream)
+                compute.wait_stream(stream)
             else:  # a CPU-only run: the same path, a host-to-host copy
                 send.copy_(self.read_shard())
         else:

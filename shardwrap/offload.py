@@ -86,12 +86,13 @@ DISK_STORES: "weakref.WeakSet[OffloadStore]" = weakref.WeakSet()  # live "disk" 
 
 
 class OffloadStore:
-    """One rank's offloaded tensors: plain (pinned, with an accelerator) host tensors for
+    """One rank's offloaded tensors: plain (pinned when the model computes on CUDA) host tensors for
     ``"cpu"``; for ``"disk"``, one file per tensor in a directory of the rank's own, each mapped
     shared into memory, so that the kernel writes its pages back and drops them as it needs."""
 
-    def __init__(self, offload: Offload, rank: int, owner: object) -> None:
+    def __init__(self, offload: Offload, rank: int, owner: object, pin: bool = False) -> None:
         self.kind = offload.optimizer
+        self.pin = pin  # page-locked host memory: only when the model computes on CUDA
         self.directory: str | None = None
         self._maps: list[mmap.mmap] = []
         self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
@@ -114,7 +115,7 @@ class OffloadStore:
     def tensor(self, name: str, numel: int, dtype: torch.dtype, unit: int) -> torch.Tensor:
         """A new zero tensor of ``numel`` elements on the offload side, for unit number ``unit``."""
         if self.kind != "disk" or numel == 0:
-            return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+            return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
         assert self.directory is not None
         nbytes = numel * dtype.itemsize
         with open(os.path.join(self.directory, f"{name}.bin"), "w+b") as f:

@@ -687,7 +687,7 @@ class ShardedModule(nn.Module):
                 f"model.clip_grad_norm_(), which works on any group",
                 stacklevel=2,
             )
-        store = OffloadStore(self.offload, collectives.rank(), self) if self.offload.enabled else None
+        store = OffloadStore(self.offload, collectives.rank(), self, pin=device.type == "cuda") if self.offload.enabled else None
         self.offload_store = store
         self._copy_stream: torch.cuda.Stream | None = None
         self._copies_pending = False  # copies on _copy_stream since the last finish_host_copies

@@ -44,6 +44,8 @@ def _local_chunk(value: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -
         same_split = value.device_mesh.shape == unit.dtensor_mesh.shape and value.placements == unit.placements_of(slot)
         if same_split and tuple(local.shape) == slot.sharded_shape(model.shard_rank):
             return local
+        if local.device.type != value.device_mesh.device_type:  # an offloaded model's host shard
+            value = value.to(value.device_mesh.device_type)  # its group may carry no host tensor (NCCL)
         value = value.full_tensor()
     if slot.tp is not None:
         value = slot.tp.local_of(value)

@@ -8,7 +8,7 @@ everything first, agree on the verdict across ranks, and raise one error that li
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,7 +45,7 @@ def _local_chunk(value: torch.Tensor, slot: ParamSlot, model: "ShardedModule") -
         if same_split and tuple(local.shape) == slot.sharded_shape(model.shard_rank):
             return local
         if local.device.type != value.device_mesh.device_type:  # an offloaded model's host shard
-            value = value.to(value.device_mesh.device_type)  # its group may carry no host tensor (NCCL)
+            value = cast(DTensor, value.to(value.device_mesh.device_type))  # its group may carry no host tensor (NCCL)
         value = value.full_tensor()
     if slot.tp is not None:
         value = slot.tp.local_of(value)

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardwrap.unit import dtensor_over
+
 # torch's optimizers whose update reads each element of a parameter, its gradient and its state
 # alone (and per-parameter scalars). Not Adafactor (row and column statistics), Muon (an
 # orthogonalized matrix), LBFGS (a global line search) or SparseAdam; a subclass may override the
@@ -161,6 +163,4 @@ def _as_dtensor_like(p: DTensor, local: torch.Tensor, key: str, value: Any, old:
         return old  # updated in place: the same DTensor
     if not isinstance(value, torch.Tensor) or key in SCALAR_STATE or value.shape != local.shape:
         return value
-    from shardwrap.unit import dtensor_over
-
     return dtensor_over(value, p.device_mesh, p.placements, p.shape, p.stride())

@@ -858,7 +858,8 @@ class ShardedModule(nn.Module):
 
     def copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The CUDA stream that offloaded units copy their shards to ``device`` on (made once, on
-        that device whatever the current one is)."""
+        that device whatever the current one is). Asking for it marks a copy pending until
+        ``finish_host_copies``."""
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=device)
         self._copies_pending = True

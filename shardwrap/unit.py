@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from shardwrap import collectives
@@ -144,8 +145,6 @@ def dtensor_over(
     parameter the optimizer updates while the shard that gets gathered never changes. Not
     differentiable, and cheaper on the host than ``from_local`` (no autograd node, no checks):
     parameters, gradients and optimizer state need neither (design/notes/offload.md)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 

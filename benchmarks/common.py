@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -99,3 +104,18 @@ class HeapPeak:
         self._stop = True
         self._thread.join()
         self.peak = max(self._max, self._used()) - self._base
+
+
+def finish_gpu_report(out: str, name: str, lines: list[str], report: dict[str, Any], failures: list[str], on_gpu: bool) -> None:
+    """Print a GPU check's report with its result, write ``name``.md and .json under ``out`` (not
+    for a CPU plumbing run), and exit 1 if a check failed."""
+    lines = lines + ["\n## Result\n", "all checks passed" if not failures else "FAILED:\n" + "\n".join(f"- {f}" for f in failures)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if on_gpu:  # the CPU plumbing run writes nothing into the results
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    sys.exit(1 if failures else 0)

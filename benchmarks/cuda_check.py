@@ -3,7 +3,7 @@
     python benchmarks/cuda_check.py                      # on a machine with a CUDA GPU
     python benchmarks/cuda_check.py --device cpu --quick  # the same plumbing on gloo (the tests run this)
 
-Four checks, one report (benchmarks/results/cuda_check.md and .json); the exit status is 1 if a
+Five checks, one report (benchmarks/results/cuda_check.md and .json); the exit status is 1 if a
 check fails:
 
 1. parity: shardwrap stages 1, 2 and 3 train the same as the unwrapped model on the same device,
@@ -19,7 +19,10 @@ check fails:
    block compiled (torch.compile, fullgraph) with their first step's time (the compile), and
    shardwrap s3 with ``Offload("cpu")`` beside fully_shard with ``CPUOffloadPolicy`` (the device
    peak is the offload's point: only the units in use and their gradients stay on the GPU);
-4. the main job: examples/train_gpt2.py under torchrun with nccl, unchanged, in bf16.
+4. the main job: examples/train_gpt2.py under torchrun with nccl, unchanged, in bf16;
+5. offload on the device: benchmarks/offload_cuda.py (per-phase times, which stream each shard and
+   gradient copy takes and how much of it overlaps compute, the device peak at a small batch, all
+   beside fully_shard with CPUOffloadPolicy), which writes benchmarks/results/offload_cuda.md.
 
 With one rank the collectives move no bytes across GPUs but still run as NCCL work on NCCL's
 streams, which is what the overlap check needs; cross-GPU bandwidth is not measured here, and
@@ -47,7 +50,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
 
-from common import apply_fully_shard  # noqa: E402  (benchmarks/common.py)
+from common import apply_fully_shard, finish_gpu_report  # noqa: E402  (benchmarks/common.py)
 from shardwrap import MixedPrecision, Offload, ShardedModule  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,6 +400,20 @@ report["main job"] = main_job
 if run.returncode != 0 or done is None or (not args.quick and float(done.group(2)) >= float(done.group(1))):
     failures.append(f"main job: {main_job}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
 
+# ---- 5. offload on the device --------------------------------------------------------------------
+# benchmarks/offload_cuda.py: per-phase times, the copy streams and the device peak of Offload("cpu")
+# beside fully_shard's CPUOffloadPolicy (its own process: it starts its own process group).
+cmd_off = [sys.executable, "benchmarks/offload_cuda.py", "--out", args.out]
+cmd_off += [] if ON_GPU else ["--device", "cpu", "--quick", "--optimizer", "sgd"]
+try:
+    # a port of its own: this process's store still listens on MASTER_PORT
+    off = subprocess.run(cmd_off, cwd=ROOT, env={**env, "MASTER_PORT": "29572"}, capture_output=True, text=True, timeout=400)
+except subprocess.TimeoutExpired as e:
+    off = subprocess.CompletedProcess(cmd_off, 124, str(e.stdout or ""), f"timed out after 400 s: {e.stderr or ''}")
+report["offload on the device"] = {"returncode": off.returncode}
+if off.returncode != 0 or "all checks passed" not in off.stdout:
+    failures.append(f"offload_cuda: exit {off.returncode}\n{off.stdout[-2000:]}\n{off.stderr[-2000:]}")
+
 # ---- report -------------------------------------------------------------------------------------
 lines = [f"# CUDA check: {report['device']}, torch {report['torch']}, GPT-2 {SHAPE}, batch {BATCH} x {SEQ}, one rank\n",
          "## Parity against the unwrapped model on the same device\n",
@@ -424,13 +441,6 @@ lines += ["\nCompiled rows: every GPT-2 block `.compile(fullgraph=True)` before 
           + ", ".join(f"{k} {v['first_step_s']:.1f} s" for k, v in speed.items() if k.endswith("compiled"))
           + f" (eager fully_shard {ref['first_step_s']:.1f} s)."]
 lines += [f"\n## Main job\n\n`{' '.join(cmd[1:])}`: exit {run.returncode}, loss {main_job['loss']}\n"]
-lines += ["\n## Result\n", "all checks passed" if not failures else "FAILED:\n" + "\n".join(f"- {f}" for f in failures)]
-text = "\n".join(lines) + "\n"
-print(text)
-if ON_GPU:  # the CPU plumbing run writes nothing into the results
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cuda_check.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "cuda_check.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-sys.exit(1 if failures else 0)
+lines += [f"\n## Offload on the device\n\n`{' '.join(cmd_off[1:])}`: exit {off.returncode}"
+          + (" (benchmarks/results/offload_cuda.md)" if ON_GPU else "") + "\n"]
+finish_gpu_report(args.out, "cuda_check", lines, report, failures, ON_GPU)

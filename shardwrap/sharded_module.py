@@ -866,10 +866,11 @@ class ShardedModule(nn.Module):
         return self._copy_stream
 
     def finish_host_copies(self) -> None:
-        """Block the host until every shard copy to the device has been read: the optimizer's
-        host step rewrites those pinned shards in place. After a backward the blocking gradient
-        copies already ordered them; a forward between backward and step (an evaluation) leaves
-        copies in flight (design/notes/offload.md)."""
+        """Block the host until every copy on the copy stream is done: the shard copies to the
+        device have been read (the optimizer's host step rewrites those pinned shards in place),
+        and the gradient copies to the host have landed (the host reads them). The end of
+        backward and the optimizer's step pre-hook call it; a forward between backward and step
+        (an evaluation) leaves shard copies in flight (design/notes/offload.md)."""
         if self._copies_pending and self._copy_stream is not None:
             self._copy_stream.synchronize()
         self._copies_pending = False
@@ -1055,6 +1056,7 @@ class ShardedModule(nn.Module):
             for unit in self._units:
                 if unit.grad_state is GradState.IN_FLIGHT:
                     unit.finish_grad()
+        self.finish_host_copies()  # offload on a GPU: the gradient copies to the host have landed
         schedule.end_backward()
         for unit in self._units:
             unit.end_backward()

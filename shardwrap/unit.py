@@ -662,15 +662,19 @@ class Unit:
         if self.device.type == "cpu" and W > 1:
             self._check_in_step()
         if self.store is not None:  # the master shard is on the offload side: stage it here
-            send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
-            if self.device.type == "cuda":  # on a copy stream of its own, ordered before the gather
+            if self.device.type == "cuda":
+                # On a copy stream of its own, into a buffer from that stream's pool: the copy waits
+                # for nothing on the compute stream, so it runs beside the kernels already queued
+                # there; only the gather (and what follows it) waits for the copy
+                # (design/notes/offload.md, "Copies on a GPU").
                 stream, compute = self._root.copy_stream(self.device), torch.cuda.current_stream(self.device)
-                stream.wait_stream(compute)
                 with torch.cuda.stream(stream):
+                    send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
                     send.copy_(self.read_shard(), non_blocking=True)
-                send.record_stream(stream)
                 compute.wait_stream(stream)
+                send.record_stream(compute)  # freed only after the compute stream has used it
             else:  # a CPU-only run: the same path, a host-to-host copy
+                send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
@@ -692,6 +696,29 @@ class Unit:
         self._data = DataState.GATHERING
         if not async_op:
             self._finish_gather()
+
+    def _grad_to_host(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Offload: the averaged gradient shard in host memory, from the reduced one.
+
+        On a GPU the average is taken there (the same division as on the host, in the master
+        dtype) and the copy to pinned memory is left in flight on the copy stream, beside the rest
+        of the backward; the end of backward, and any gradient that must be added to now, wait for
+        it (design/notes/offload.md, "Copies on a GPU"). A CPU-only run copies host to host."""
+        host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
+        if self.device.type != "cuda":
+            host.copy_(reduced)
+            _average_grad(host, self.world_size * self.replicas)
+            return host
+        averaged = reduced.to(self.dtype)  # reduced is this unit's own buffer: averaging in place is safe
+        _average_grad(averaged, self.world_size * self.replicas)
+        stream, compute = self._root.copy_stream(self.device), torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)  # after the average (and the reduction it reads)
+        with torch.cuda.stream(stream):
+            host.copy_(averaged, non_blocking=True)
+        averaged.record_stream(stream)
+        if any(p.grad is not None for p in self.sharded_params[: self.layout.num_trainable]):
+            self._root.finish_host_copies()  # accumulating into an existing gradient reads it now
+        return host
 
     def _where(self, collective: str) -> str:
         """``collective`` of this unit, the phase and the step, for error messages."""
@@ -1019,13 +1046,10 @@ class Unit:
         if not r.used_here and reduced[S].item() == 0:  # hybrid: summed over every replica too
             return
         if self.store is not None:  # the gradient shard goes to the offload side at once
-            sharded_grad = torch.empty(S, dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
-            # Blocking: the host step reads it next. It also orders every earlier host-to-device
-            # copy of a shard before the step that rewrites the shard.
-            sharded_grad.copy_(reduced.narrow(0, 0, S))
+            sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:
             sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
-        _average_grad(sharded_grad, self.world_size * self.replicas)
+            _average_grad(sharded_grad, self.world_size * self.replicas)
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad

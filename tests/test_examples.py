@@ -100,6 +100,18 @@ def test_cuda_check_plumbing_runs_on_cpu():
 
 
 
+def test_offload_cuda_plumbing_runs_on_cpu():
+    """benchmarks/offload_cuda.py is run by hand on a GPU machine; here its timing and loss checks
+    run on gloo (host-to-host copies), so that it does not rot between GPU sessions. SGD with
+    momentum: under Adam a gradient off by a constant factor leaves the losses equal."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "benchmarks/offload_cuda.py", "--device", "cpu", "--quick", "--optimizer", "sgd"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "all checks passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    gaps = re.findall(r"\| (?:single|shardwrap s\d(?: cpu-offload)?) @ \d+x\d+ \|.* \| ([\d.e+-]+) \|", out.stdout)
+    assert len(gaps) == 8 and all(float(g) <= 1e-4 for g in gaps), out.stdout
+
+
 def test_lightning_classifier_learns():
     """examples/lightning_classifier.py under Lightning's own launcher (2 CPU processes, no
     torchrun): DDP and shardwrap stages 1-3 in one launch, each learning the generated sentiment

@@ -689,8 +689,8 @@ class ShardedModule(nn.Module):
             )
         store = OffloadStore(self.offload, collectives.rank(), self, pin=device.type == "cuda") if self.offload.enabled else None
         self.offload_store = store
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._copies_pending = False  # copies on _copy_stream since the last finish_host_copies
+        self._copy_streams: dict[str, torch.cuda.Stream] = {}  # "to device", "to host"
+        self._copies_pending = False  # copies on _copy_streams since the last finish_host_copies
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         built: dict[int, Unit] = {}
@@ -856,23 +856,28 @@ class ShardedModule(nn.Module):
         finally:
             self.in_call = False
 
-    def copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
-        """The CUDA stream that offloaded units copy their shards to ``device`` on (made once, on
-        that device whatever the current one is). Asking for it marks a copy pending until
-        ``finish_host_copies``."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=device)
+    def copy_stream(self, device: torch.device, direction: str) -> "torch.cuda.Stream":
+        """The CUDA stream that offloaded units copy on in ``direction``: ``"to device"`` (shards
+        before a gather) or ``"to host"`` (reduced gradient shards). One stream each, made once
+        on ``device`` whatever the current one is: a gradient copy waits for the compute stream,
+        and a shard copy queued behind it on one stream would wait too. Asking for one marks a
+        copy pending until ``finish_host_copies``."""
+        stream = self._copy_streams.get(direction)
+        if stream is None:
+            stream = self._copy_streams[direction] = torch.cuda.Stream(device=device)
         self._copies_pending = True
-        return self._copy_stream
+        return stream
 
     def finish_host_copies(self) -> None:
-        """Block the host until every copy on the copy stream is done: the shard copies to the
-        device have been read (the optimizer's host step rewrites those pinned shards in place),
-        and the gradient copies to the host have landed (the host reads them). The end of
-        backward and the optimizer's step pre-hook call it; a forward between backward and step
-        (an evaluation) leaves shard copies in flight (design/notes/offload.md)."""
-        if self._copies_pending and self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        """Block the host until every copy on the copy streams is done: the shard copies to the
+        device have been read (the optimizer's host step and loads rewrite those pinned shards in
+        place), and the gradient copies to the host have landed (the host reads them). Called at
+        the end of backward, after a forward that no backward follows (an evaluation), after a
+        failed forward or backward, before a load writes shards, and by the optimizer's step
+        pre-hook (design/notes/offload.md)."""
+        if self._copies_pending:
+            for stream in self._copy_streams.values():
+                stream.synchronize()
         self._copies_pending = False
 
     @property
@@ -950,6 +955,7 @@ class ShardedModule(nn.Module):
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
         for unit in self._units:
             unit.abandon()
+        self.finish_host_copies()  # offload on a GPU: no copy lands in a gradient or reads a shard later
         self._replicas_started = 0
         self.schedule.end_backward()  # waits for the count exchanges still in flight
         self.expect_backward = False
@@ -970,6 +976,7 @@ class ShardedModule(nn.Module):
         if not self.expect_backward:
             for unit in self._units:
                 unit.reshard()
+            self.finish_host_copies()  # offload on a GPU: nothing reads the host shards in flight after an evaluation
 
     def begin_backward(self) -> None:
         if self._state is TrainingState.BACKWARD:

@@ -166,6 +166,7 @@ def model_writes(model: "ShardedModule", sd: Mapping[str, Any]) -> list[tuple[to
 
 
 def commit_writes(model: "ShardedModule", writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    model.finish_host_copies()  # offload on a GPU: no shard copy to the device still reads what this overwrites
     with torch.no_grad():
         for target, value in writes:
             target.copy_(value)

@@ -263,7 +263,7 @@ class Unit:
         self.slots = [list(s) for s in slots]
         self.layout = FlatLayout(fqns, params, self.world_size, tp or None)
         # Where gathers and compute run: the model's device, also for a unit without parameters of
-        # its own (a root over blocks), which clip_grad_norm_ and the copy stream consult.
+        # its own (a root over blocks), which clip_grad_norm_ and the copy streams consult.
         self.device = device if device is not None else params[0].device if params else torch.device("cpu")
         self.store = store
         self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
@@ -461,6 +461,7 @@ class Unit:
     def write_shard(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard with ``flat`` (``S`` elements, shard layout). The write bumps
         the shard's version counter, so an unsharded copy is stale afterwards."""
+        self._root.finish_host_copies()  # offload on a GPU: no copy to the device still reads the shard
         with torch.no_grad():
             for dst, src in zip(self._local_params, self.layout.sharded_views(flat, self.rank)):
                 dst.copy_(src)
@@ -469,6 +470,7 @@ class Unit:
     def write_param(self, i: int, local: torch.Tensor) -> None:
         """Overwrite parameter ``i``'s local chunk with ``local``; an unsharded copy is stale
         afterwards."""
+        self._root.finish_host_copies()  # offload on a GPU: no copy to the device still reads the shard
         with torch.no_grad():
             self._local_params[i].copy_(local)
         self._writes += 1
@@ -667,7 +669,7 @@ class Unit:
                 # for nothing on the compute stream, so it runs beside the kernels already queued
                 # there; only the gather (and what follows it) waits for the copy
                 # (design/notes/offload.md, "Copies on a GPU").
-                stream, compute = self._root.copy_stream(self.device), torch.cuda.current_stream(self.device)
+                stream, compute = self._root.copy_stream(self.device, "to device"), torch.cuda.current_stream(self.device)
                 with torch.cuda.stream(stream):
                     send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
                     send.copy_(self.read_shard(), non_blocking=True)
@@ -700,9 +702,10 @@ class Unit:
     def _grad_to_host(self, reduced: torch.Tensor) -> torch.Tensor:
         """Offload: the averaged gradient shard in host memory, from the reduced one.
 
-        On a GPU the average is taken there (the same division as on the host, in the master
-        dtype) and the copy to pinned memory is left in flight on the copy stream, beside the rest
-        of the backward; the end of backward, and any gradient that must be added to now, wait for
+        On a GPU the average is taken there, in the master dtype, as without offload (CUDA divides
+        by a scalar as a multiplication by its reciprocal, which may differ from the host's
+        division in the last bit), and the copy to pinned memory is left in flight on the
+        "to host" copy stream, beside the rest of the backward; the end of backward, and any gradient that must be added to now, wait for
         it (design/notes/offload.md, "Copies on a GPU"). A CPU-only run copies host to host."""
         host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
         if self.device.type != "cuda":
@@ -711,7 +714,7 @@ class Unit:
             return host
         averaged = reduced.to(self.dtype)  # reduced is this unit's own buffer: averaging in place is safe
         _average_grad(averaged, self.world_size * self.replicas)
-        stream, compute = self._root.copy_stream(self.device), torch.cuda.current_stream(self.device)
+        stream, compute = self._root.copy_stream(self.device, "to host"), torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)  # after the average (and the reduction it reads)
         with torch.cuda.stream(stream):
             host.copy_(averaged, non_blocking=True)

@@ -82,6 +82,62 @@ def test_an_offloaded_shard_is_the_parameter_even_under_an_accelerator_mesh():
     assert all(abs(v + 0.5) < 1e-5 for row in found["shard"] for v in row), found
 
 
+
+def _where_host_copies_are_finished() -> dict:
+    """Count ``finish_host_copies`` calls around each thing a training loop does to an offloaded
+    model. On a CPU-only run they wait for nothing; on a GPU each is where the host must not go
+    on while a copy between host and device is in flight."""
+    torch.manual_seed(0)
+    plain = models.mlp()
+    failing = {"on": False}
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a hook that fails inside the model's backward")
+
+    plain.blocks[1].register_forward_hook(lambda m, a, out: out.register_hook(fail) and None if failing["on"] else None)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=3, offload=Offload("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    calls = []
+    model.finish_host_copies = lambda: calls.append(1)  # type: ignore[method-assign]
+    x = torch.randn(4, 16)
+    seen = {}
+
+    def after(what: str, fn) -> None:
+        before = len(calls)
+        fn()
+        seen[what] = len(calls) - before
+
+    losses = []
+    after("forward for training", lambda: losses.append(model(x).pow(2).mean()))
+    after("backward", losses[0].backward)
+    after("optimizer step", opt.step)
+    with torch.no_grad():
+        after("evaluation forward", lambda: model(x))
+    full = model.full_state_dict(rank0_only=False)
+    after("load_state_dict", lambda: model.load_state_dict(full))
+
+    failing["on"] = True
+    out = model(x).pow(2).mean()
+    failing["on"] = False
+    with pytest.raises(RuntimeError, match="a hook that fails"):
+        out.backward()
+    with pytest.warns(RuntimeWarning, match="raised before it finished"):
+        after("forward after a failed backward", lambda: model(x))
+    return seen
+
+
+def test_host_copies_are_finished_wherever_the_host_reads_or_writes_offloaded_tensors():
+    """With ``Offload("cpu")`` on a GPU the shard copies to the device and the gradient copies to
+    the host run on copy streams; the host must wait for them before it reads gradients (end of
+    backward), rewrites shards (the step, a load) or drops a failed step, and after an evaluation
+    forward (design/notes/offload.md, "Copies on a GPU"). The waits themselves need a GPU
+    (benchmarks/offload_cuda.py); here each place is shown to call it, and a training forward,
+    which a backward follows, not to."""
+    [seen] = run_on_ranks(1, _where_host_copies_are_finished)
+    assert seen["forward for training"] == 0, seen
+    assert all(seen[k] >= 1 for k in ("backward", "optimizer step", "evaluation forward", "load_state_dict",
+                                       "forward after a failed backward")), seen
+
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(spec=trees, world=st.integers(1, 3), stage=st.sampled_from([1, 2, 3]), optim=st.sampled_from(["sgd", "adamw"]),
        offload=st.sampled_from(["cpu", "disk"]))

@@ -272,7 +272,7 @@ COLLECTIVES = {
 
 def collectives_formula(
     shards_per_unit: list[tuple[int, int]] | None, psi: int, mesh: Mesh, precision: str, stage: int = 3,
-    *, first_step: bool = False,
+    *, first_step: bool = False, trainable_params: int = 0,
 ) -> dict:
     """The collectives of one training step (forward, backward, optimizer step) on one rank of an
     R x S mesh, per mesh axis, as ``shardwrap.collectives.count_collectives()`` counts them and as
@@ -301,7 +301,10 @@ def collectives_formula(
       2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
     - the small exchanges on CPU groups (int64, over "shard"): "headers", 2 elements before every
       data all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
-      (R S > 1) (design/notes/rank-agreement.md, collective-schedule.md).
+      (R S > 1) (design/notes/rank-agreement.md, collective-schedule.md); and once per synced
+      backward over every rank (R S > 1), "grad_usage", one element per trainable parameter
+      (``trainable_params``): which parameters got a gradient (design/notes/unused-parameters.md).
+      It runs over the world group, not one axis: it is in the counter, not in the axes' wire bytes.
     """
     R, S = mesh.replicas, mesh.shards
     p = _compute_bytes(precision)
@@ -334,7 +337,10 @@ def collectives_formula(
     for axis in (shard_axis, replicate_axis):
         for kind, r in axis.items():
             counter[kind], counter[kind + "_calls"] = r["elements"], r["calls"]
+    if not ideal and R * S > 1 and trainable_params:
+        counter["grad_usage"], counter["grad_usage_calls"] = trainable_params, 1
     counter["bytes"] = sum(r["bytes"] for axis in (shard_axis, replicate_axis) for r in axis.values())
+    counter["bytes"] += 8 * counter.get("grad_usage", 0)
     return {"shard": shard_axis, "replicate": replicate_axis, "counter": counter,
             "wire_bytes": {"shard": sum(r["wire_bytes"] for r in shard_axis.values()),
                            "replicate": sum(r["wire_bytes"] for r in replicate_axis.values())},
@@ -731,11 +737,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.model:
             layouts = unit_layouts(SHAPES[args.model], mesh.shards)
             per_unit = [(la.shard_numel, la.grad_shard_numel) for la in layouts]
+            trainable_params = sum(la.num_trainable for la in layouts)
             result["padding_elements_per_rank"] = sum(la.shard_numel for la in layouts) - psi / mesh.shards
+        else:
+            trainable_params = 0
         result["collectives_formula"] = {
-            stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage) for stage in (1, 2, 3)}
+            stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage, trainable_params=trainable_params)
+            for stage in (1, 2, 3)}
         result["collectives_formula_first_step"] = collectives_formula(
-            per_unit, psi, mesh, args.mixed_precision, 3, first_step=True)
+            per_unit, psi, mesh, args.mixed_precision, 3, first_step=True, trainable_params=trainable_params)
         try:
             result["step_time"] = _step_time(args, mesh, psi, unit, per_unit)
         except ValueError as exc:  # --intra-gbps calibrated without a usable file

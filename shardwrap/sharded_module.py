@@ -1015,7 +1015,13 @@ class ShardedModule(nn.Module):
 
     def _reduced(self, unit: Unit) -> None:
         """``unit``'s reduce-scatter is done (or is waited for now): apply it, or (hybrid) start
-        every all-reduce over replicas whose turn has come."""
+        every all-reduce over replicas whose turn has come. A unit whose gradient arrived a
+        second time in this backward was applied then (``Unit._grad_arrived``: activation
+        checkpointing with ``use_reentrant=True`` inside its forward backpropagates into it from a
+        nested backward); the schedule still lists that earlier reduce-scatter: nothing is left
+        of it to apply."""
+        if unit.grad_state is not GradState.IN_FLIGHT:
+            return
         if self.replicate_group is None:
             unit.finish_grad()
             return
@@ -1039,6 +1045,26 @@ class ShardedModule(nn.Module):
                 unit.finish_shard_reduction()
             unit.start_replica_reduction()
             self._replicas_started += 1
+
+    def _settle_unused_grads(self) -> None:
+        """After a backward that reduced: every rank's record of which parameters a gradient
+        reached (one small all-gather), so that a parameter no rank used keeps ``p.grad`` None
+        rather than the zeros its unit's flat gradient gave it (design/notes/unused-parameters.md)."""
+        units = [u for u in self._units if u.layout.num_trainable]
+        mine = [flag for u in units for flag in u.grad_usage()]
+        if not mine:
+            return
+        if collectives.world_size() > 1:
+            rows = collectives.all_gather_ints(mine, self.world_group, what="the exchange of which parameters got a gradient",
+                                               kind="grad_usage")
+            anywhere = [any(column) for column in zip(*rows)]
+        else:
+            anywhere = [bool(flag) for flag in mine]
+        start = 0
+        for unit in units:
+            n = unit.layout.num_trainable
+            unit.settle_unused_grads(anywhere[start : start + n])
+            start += n
 
     def _finish_backward(self) -> None:
         """End of backward: issue whatever this rank's graph skipped (all-gathers, reduce-scatters
@@ -1065,6 +1091,8 @@ class ShardedModule(nn.Module):
                     unit.finish_grad()
         self.finish_host_copies()  # offload on a GPU: the gradient copies to the host have landed
         schedule.end_backward()
+        if self.sync:
+            self._settle_unused_grads()
         for unit in self._units:
             unit.end_backward()
             if self.switches.reshard_after_backward:

@@ -281,6 +281,10 @@ class Unit:
         self._reduction: _Reduction | None = None  # while IN_FLIGHT
         self._gathered_version = -1  # the shard's version when it was last gathered
         self._writes = 0  # writes into the shard that bypass the parameters (loads)
+        # Per trainable parameter: whether a gradient reached its view since the last reduction,
+        # and the parameters whose p.grad the last finish_grad created (see settle_unused_grads).
+        self._grad_used = [False] * self.layout.num_trainable
+        self._fresh_grads: list[int] = []
 
         layout, S = self.layout, self.layout.shard_numel
         # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
@@ -629,6 +633,31 @@ class Unit:
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
         self.post_backward()
 
+    def _note_used_grads(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        """Autograd node pre-hook on the views' split: record which trainable views received a
+        gradient (the split's outputs alternate a parameter's piece and its padding; autograd
+        passes None for an output nothing used)."""
+        used = self._grad_used
+        for i in range(len(used)):
+            if grad_outputs[2 * i] is not None:
+                used[i] = True
+
+    def grad_usage(self) -> list[int]:
+        """Per trainable parameter, 1 if a gradient reached it on this rank since the last
+        reduction (all ``no_sync`` micro-batches included), else 0."""
+        return [int(u) for u in self._grad_used]
+
+    def settle_unused_grads(self, used_anywhere: Sequence[bool]) -> None:
+        """After a reduction: a parameter whose ``p.grad`` that reduction created, but that no
+        rank's forward used, gets ``p.grad = None`` back, as in plain PyTorch, where an optimizer
+        then leaves it alone (no momentum, no weight decay). The reduction gave it zeros: the
+        flat gradient covers the whole unit."""
+        for i in self._fresh_grads:
+            if not used_anywhere[i]:
+                self.sharded_params[i].grad = None
+        self._fresh_grads = []
+        self._grad_used = [False] * len(self._grad_used)
+
     def _views_done(self, grad_outputs: object) -> None:
         """Autograd node pre-hook on the views' split: the views of one forward call have done
         their part in this backward; after the last call's, free the parameters before the flat
@@ -798,6 +827,7 @@ class Unit:
         self._reentered = 0
         self._backward_uses = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
+        self._fresh_grads, self._grad_used = [], [False] * len(self._grad_used)
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
             if self.stage.keep_unsharded_grad and leaf.grad is not None:
@@ -841,13 +871,17 @@ class Unit:
         ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
-        view_node = views[0].grad_fn if views else None
-        if self.stage.reshard_after_backward and self.layout.num_trainable and view_node is not None:
-            # The split node that turns the views' gradients into the flat gradient runs once
-            # every op that used them in this backward is done: reshard before it allocates the
-            # flat gradient (design/notes/prefetch.md, "Resharding before the flat gradient").
-            split = view_node.next_functions[0][0]
-            if split is not None:
+        view_node = views[0].grad_fn if views and self.layout.num_trainable else None
+        split = view_node.next_functions[0][0] if view_node is not None else None
+        if split is not None:
+            # The split node that turns the views' gradients into the flat gradient sees which
+            # views got one: a parameter no rank's forward used keeps p.grad None
+            # (design/notes/unused-parameters.md).
+            split.register_prehook(_weak(self._note_used_grads))
+            if self.stage.reshard_after_backward:
+                # It runs once every op that used the views in this backward is done: reshard
+                # before it allocates the flat gradient (design/notes/prefetch.md, "Resharding
+                # before the flat gradient").
                 split.register_prehook(_weak(self._views_done))
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
@@ -899,9 +933,11 @@ class Unit:
 
     def _grad_arrived(self) -> None:
         """-> ACCUMULATING. A second gradient in one backward while the first is still in flight
-        (a unit reached by two reentrant recomputations) first lands the first one."""
+        (a unit reached by two reentrant recomputations, or by a reentrant checkpoint inside its
+        own forward) first lands the first one. Stage 1 lands it beside the unsharded gradient,
+        not in its rows: autograd has just added the second gradient there."""
         if self._grad is GradState.IN_FLIGHT:
-            self.finish_grad()
+            self.finish_grad(into_rows=False)
         self._expect_grad("take a new gradient", GradState.NONE, GradState.ACCUMULATING, GradState.REDUCED, GradState.PACKED)
         if self._grad is not GradState.PACKED:
             self._grad = GradState.ACCUMULATING
@@ -1031,11 +1067,12 @@ class Unit:
         assert r is not None and r.shard_done and r.replica_work is None and self.replicate_group is not None
         r.replica_work = collectives.all_reduce_replicas(r.output, self.replicate_group)
 
-    def finish_grad(self) -> None:
+    def finish_grad(self, into_rows: bool = True) -> None:
         """IN_FLIGHT -> REDUCED: wait for the reduce-scatter (hybrid: and the all-reduce over
         replicas, started by the root), average, and add this rank's piece into the sharded
         grads. If no rank reached the unit its gradients stay untouched (``None`` stays ``None``,
-        as in plain PyTorch)."""
+        as in plain PyTorch). ``into_rows=False``: a new ``p.grad`` never views the rank's rows of
+        the unsharded gradient (stage 1), which hold a newer gradient."""
         self.finish_shard_reduction()
         r = self._reduction
         assert r is not None
@@ -1056,7 +1093,7 @@ class Unit:
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad
-        rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if self.shard_in_unsharded and leaf_grad is not None else None
+        rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if into_rows and self.shard_in_unsharded and leaf_grad is not None else None
         slots = self.layout.slots
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
             if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone
@@ -1066,5 +1103,7 @@ class Unit:
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad
                 rows[i].copy_(view)
                 param.grad = self.as_dtensor(rows[i], slots[i])
+                self._fresh_grads.append(i)
             else:
                 param.grad = self.as_dtensor(view, slots[i])
+                self._fresh_grads.append(i)

@@ -431,6 +431,31 @@ def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: st
     return CheckpointedMLP(dim, depth, out, checkpoint)
 
 
+class InnerCheckpointBlock(Block):
+    """A ``Block`` whose forward checkpoints only part of itself (``tanh(up(norm(x)))``) while
+    training, so the unit's parameters take gradients both from inside the checkpointed region and
+    outside it (``down``): with ``use_reentrant=True`` the inside ones arrive from a nested backward."""
+
+    def __init__(self, dim: int, reentrant: bool) -> None:
+        super().__init__(dim)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if not self.training:
+            return super().forward(x)
+        inner = checkpoint(lambda t: torch.tanh(self.up(self.norm(t))), x, use_reentrant=self.reentrant)
+        return x + self.down(inner)
+
+
+def inner_checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str = "reentrant") -> nn.Module:
+    """``mlp`` whose Blocks checkpoint part of their own forward (``InnerCheckpointBlock``)."""
+    model = MLP(dim, depth, out)
+    model.blocks = nn.ModuleList(InnerCheckpointBlock(dim, checkpoint == "reentrant") for _ in range(depth))
+    return model
+
+
 def is_block(module: nn.Module) -> bool:
     return isinstance(module, Block)
 

@@ -4,6 +4,10 @@ checkpointing (design/notes/activation-checkpointing.md).
 Variants:
   fn_non_reentrant / fn_reentrant   the model's forward calls torch.utils.checkpoint.checkpoint
                                     on each Block (``models.checkpointed_mlp``)
+  inside_reentrant / inside_non_reentrant
+                                    each Block checkpoints part of its own forward
+                                    (``models.inner_checkpointed_mlp``): the unit's gradient
+                                    arrives twice in one backward, once from a nested backward
   wrapper_before / wrapper_after    torch's apply_activation_checkpointing on the Blocks, before or
                                     after wrapping with ShardedModule (``models.mlp_checkpoint_wrapped``)
   hf_default / hf_reentrant / hf_non_reentrant
@@ -54,6 +58,8 @@ VARIANTS = {
     "none": ("checkpointed_mlp", {**_MLP, "checkpoint": None}, "Block", "regression"),
     "fn_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "fn_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
+    "inside_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
+    "inside_non_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "wrapper_before": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
     "wrapper_after": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
     "hf_none": ("gpt2", _GPT2, "GPT2Block", "lm"),
@@ -214,7 +220,7 @@ def test_checkpointing_sgd(stage, variant):
     check(variant, make_case(variant, stage, optim="sgd"))
 
 
-@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default"])
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default", "inside_reentrant"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_checkpointing_adamw(stage, variant):
     check(variant, make_case(variant, stage, optim="adamw"))

@@ -269,6 +269,7 @@ def on_ranks_stage_memory_and_bytes(stage: int) -> dict:
         "layouts": [(h.layout.shard_numel, h.layout.grad_shard_numel, h.has_trainable) for h in model.units],
         "unit_psi": [sum(p.numel() for p in h.sharded_params) for h in model.units],
         "order": [h.name for h in model.units],
+        "trainable_params": sum(h.layout.num_trainable for h in model.units),
     }
 
 
@@ -301,11 +302,13 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         # Every byte of a step, from the layouts: each unit's all-gathers (its shard and the tag, in
         # fp32) each after a 2 x int64 header (design/notes/rank-agreement.md), its reduce-scatter
         # (W rows of its gradient shard and the used-flag), and one 2 x int64 count exchange beside
-        # each unit backward gathers.
+        # each unit backward gathers, and at the end of backward one int64 per trainable parameter:
+        # which ones got a gradient (design/notes/unused-parameters.md).
         expected = sum((4 * (S + 1) + 16) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
-        expected += 16 * len(r["layouts"])
+        expected += 16 * len(r["layouts"]) + 8 * r["trainable_params"]
         assert c["bytes"] == expected, (stage, c, expected)
-        assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "headers", "bytes"}, c
+        assert c["grad_usage_calls"] == 1, c
+        assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "headers", "grad_usage", "bytes"}, c
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -734,8 +734,9 @@ class Unit:
         On a GPU the average is taken there, in the master dtype, as without offload (CUDA divides
         by a scalar as a multiplication by its reciprocal, which may differ from the host's
         division in the last bit), and the copy to pinned memory is left in flight on the
-        "to host" copy stream, beside the rest of the backward; the end of backward, and any gradient that must be added to now, wait for
-        it (design/notes/offload.md, "Copies on a GPU"). A CPU-only run copies host to host."""
+        "to host" copy stream, beside the rest of the backward; the end of backward, and any
+        gradient that must be added to now, wait for it (design/notes/offload.md, "Copies on a
+        GPU"). A CPU-only run copies host to host."""
         host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
         if self.device.type != "cuda":
             host.copy_(reduced)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -38,9 +39,15 @@ p.add_argument("--compare", action="store_true", help="also train in memory and 
 p.add_argument("--release-pages", action="store_true")
 p.add_argument("--no-page-by-unit", action="store_true",
                help="keep each unit's file pages during the optimizer step (shardwrap.offload.PAGE_BY_UNIT = False)")
+p.add_argument("--no-spares", action="store_true", help="free every unsharded buffer at once (shardwrap.spare.REUSE = False)")
+p.add_argument("--tag", default="", help="appended to the result files' names")
 p.add_argument("--dd-mib", type=int, default=2048, help="size of the dd bandwidth probe (0: skip)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+p.add_argument("--no-thp", action="store_true",
+               help="leave torch's THP_MEM_ALLOC_ENABLE unset (default: 1, huge pages for large CPU buffers, set before torch loads)")
 args = p.parse_args()
+if not args.no_thp:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once, at torch's first allocation
 
 import torch
 import torch.distributed as dist
@@ -49,8 +56,10 @@ import torch.nn.functional as F
 
 from shardwrap import Offload, ShardedModule
 import shardwrap.offload
+import shardwrap.spare
 
 shardwrap.offload.PAGE_BY_UNIT = not args.no_page_by_unit
+shardwrap.spare.REUSE = not args.no_spares
 
 SIZES = {"xl": (48, 1600, 25), "medium": (24, 1024, 16), "small": (4, 256, 4)}  # blocks, width, heads
 VOCAB = 50257
@@ -130,6 +139,27 @@ def _status(field: str) -> int:
     return 0
 
 
+def disk_bytes(device: str) -> tuple[int, int]:
+    """Bytes read and written by the disk itself (/proc/diskstats, 512-byte sectors): what both ranks
+    and the kernel's writeback moved, whenever it happened."""
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] == device:
+                return int(fields[5]) * 512, int(fields[9]) * 512
+    return 0, 0
+
+
+def disk_of(path: str) -> str:
+    """The block device (name in /proc/diskstats) holding ``path``."""
+    dev = os.stat(path).st_dev
+    try:
+        name = os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+    except OSError:
+        return ""
+    return name
+
+
 def io_bytes() -> tuple[int, int]:
     with open("/proc/self/io") as f:
         fields = dict(line.split(": ") for line in f.read().splitlines())
@@ -169,10 +199,14 @@ def train(offload: Offload | None, label: str) -> dict:
     for step in range(args.steps):
         dist.barrier()
         read0, written0 = io_bytes()
+        dev0 = disk_bytes(DEVICE)
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         with Sampler() as mem:
             loss = sharded(ids)
+            fwd_s = time.perf_counter() - start
             loss.backward()
+            bwd_s = time.perf_counter() - start - fwd_s
             before_step_file = rss_file()
             opt_start = time.perf_counter()
             with Sampler() as step_mem:
@@ -183,14 +217,20 @@ def train(offload: Offload | None, label: str) -> dict:
                 sharded.offload_store.release_pages()
             dist.barrier()
         read1, written1 = io_bytes()
-        steps.append({
+        dev1 = disk_bytes(DEVICE)
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
+        steps.append({"user_s": usage1.ru_utime - usage0.ru_utime, "sys_s": usage1.ru_stime - usage0.ru_stime,
+                      "faults": usage1.ru_minflt - usage0.ru_minflt + usage1.ru_majflt - usage0.ru_majflt,
+                      "spares_reused": sharded.spares.reused,"fwd_s": fwd_s, "bwd_s": bwd_s, "disk_read": dev1[0] - dev0[0], "disk_written": dev1[1] - dev0[1],
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
             "step_file_before": before_step_file, "step_peak_file": step_mem.file_peak, "opt_s": opt_s,
             "written": written1 - written0, "loss": loss.item(),
         })
         if rank == 0:
             s = steps[-1]
-            print(f"{label} step {step}: {s['time_s']:.1f} s, peak RssAnon {s['peak_anon'] / GiB:.2f} GiB, "
+            print(f"{label} step {step}: {s['time_s']:.1f} s (forward {s['fwd_s']:.1f}, backward {s['bwd_s']:.1f}, "
+                  f"opt.step {s['opt_s']:.1f}; cpu user {s['user_s']:.1f} sys {s['sys_s']:.1f}, {s['faults'] / 1e6:.2f} M page faults, "
+                  f"{s['spares_reused']} spares reused; disk read {s['disk_read'] / GiB:.2f} GiB, written {s['disk_written'] / GiB:.2f}), peak RssAnon {s['peak_anon'] / GiB:.2f} GiB, "
                   f"read {s['read'] / GiB:.2f} GiB, written {s['written'] / GiB:.2f} GiB, loss {s['loss']:.4f}", flush=True)
     final = {n: p.detach().to_local().clone() for n, p in sharded.named_parameters()} if args.compare else {}
     del sharded, opt
@@ -204,6 +244,7 @@ box = [args.path or (tempfile.mkdtemp(prefix="shardwrap-offload-", dir="/var/tmp
 dist.broadcast_object_list(box)
 root: str = box[0]
 os.makedirs(root, exist_ok=True)
+DEVICE = disk_of(root)
 
 dd = dd_bandwidth(root, args.dd_mib) if rank == 0 and args.dd_mib else (0.0, 0.0)
 baseline_anon = rss_anon()  # torch and gloo, before any model
@@ -252,6 +293,24 @@ if rank == 0:
                 + " | " + " / ".join(f"{s['read'] / GiB:.2f}" for s in per) + " | "
                 + " / ".join(f"{s['written'] / GiB:.2f}" for s in per) + f" | {per[0]['loss']:.4f} |"
             )
+    if dd[0] and dd[1]:
+        lines += [
+            "",
+            f"Where each step's time goes, and the disk ({DEVICE}) as a whole: bytes it read and wrote for both ranks and the "
+            "kernel's writeback during the step, and the least time those take at dd's rates (the bound).",
+            "",
+            "| run | step | time s | forward s | backward s | opt.step() s | disk read GiB | disk written GiB | bound s | time / bound |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label in runs:
+            for i in range(args.steps):
+                s = runs[label]["steps"][i]
+                bound = s["disk_read"] / dd[1] + s["disk_written"] / dd[0]
+                lines.append(
+                    f"| {label} | {i} | {s['time_s']:.1f} | {s['fwd_s']:.1f} | {s['bwd_s']:.1f} | {s['opt_s']:.1f} | "
+                    f"{s['disk_read'] / GiB:.2f} | {s['disk_written'] / GiB:.2f} | {bound:.1f} | "
+                    + (f"{s['time_s'] / bound:.2f} |" if bound > 0 else "- |")
+                )
     if args.compare:
         lines += ["", f"Disk offload and in-memory training end bit-identical on every rank: {all(agreed)}"]
     lines += [
@@ -269,7 +328,7 @@ if rank == 0:
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    name = f"offload_{args.size}_W{world}{'_release' if args.release_pages else ''}{'_nopager' if args.no_page_by_unit else ''}"
+    name = f"offload_{args.size}_W{world}{args.tag}{'_release' if args.release_pages else ''}{'_nopager' if args.no_page_by_unit else ''}"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, name + ".json"), "w") as f:

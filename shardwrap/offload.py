@@ -97,6 +97,7 @@ class OffloadStore:
         self._maps: list[mmap.mmap] = []
         self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
         self._unit_maps: dict[int, list[mmap.mmap]] = {}  # unit index -> its files' mappings
+        self._shard_maps: dict[int, mmap.mmap] = {}  # unit index -> its master shard's mapping
         self._unit_of_storage: dict[int, int] = {}  # data_ptr of a file-backed storage -> its unit's index
         self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
         if self.kind == "disk":
@@ -123,6 +124,8 @@ class OffloadStore:
             mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._maps.append(mapped)
         self._unit_maps.setdefault(unit, []).append(mapped)
+        if name.endswith("-params"):
+            self._shard_maps[unit] = mapped
         out = torch.frombuffer(mapped, dtype=dtype, count=numel)
         self._disk_storages.add(out.untyped_storage().data_ptr())
         self._unit_of_storage[out.untyped_storage().data_ptr()] = unit
@@ -148,6 +151,14 @@ class OffloadStore:
         """``release_pages`` for one unit's files."""
         for mapped in self._unit_maps.get(unit, []):
             _page_out(mapped)
+
+    def read_ahead(self, unit: int, shard_only: bool = True) -> None:
+        """Ask the kernel to start reading unit number ``unit``'s master shard (``shard_only``) or
+        all its files into the page cache, without waiting: a hint that lets the disk work
+        while this rank computes the units before it. An index with no files: nothing."""
+        maps = [self._shard_maps[unit]] if shard_only and unit in self._shard_maps else [] if shard_only else self._unit_maps.get(unit, [])
+        for mapped in maps:
+            mapped.madvise(mmap.MADV_WILLNEED)
 
 
 def _page_out(mapped: mmap.mmap) -> None:
@@ -182,6 +193,9 @@ class UnitPager(TorchDispatchMode):
         if self._current is not None and where != self._current:
             store, unit = self._current
             store.release_unit(unit)
+        if where is not None and where != self._current:
+            store, unit = where
+            store.read_ahead(unit + 1, shard_only=False)  # the step's next unit, while this one runs
         self._current = where
 
     def __exit__(self, *exc: Any) -> None:

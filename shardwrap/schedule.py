@@ -114,6 +114,15 @@ class CollectiveSchedule:
         i = order.index(unit)
         return self._take_prefetch(order[i + 1]) if i + 1 < len(order) else None
 
+    def gathers_after(self, unit: Unit) -> Unit | None:
+        """The unit the forward gathers ahead when the unit after ``unit`` starts: two after it in
+        the previous step's order (a spare buffer of ``unit``'s may serve it)."""
+        order = self.last_forward
+        if unit not in order:
+            return None
+        i = order.index(unit)
+        return order[i + 2] if i + 2 < len(order) else None
+
     def _take_prefetch(self, unit: Unit) -> Unit | None:
         if unit in self.prefetched or len(self.prefetched) + 1 >= self.max_unsharded or not unit.needs_gather:
             return None

@@ -35,6 +35,7 @@ from shardwrap.flat_param import FlatLayout, TensorParallel
 from shardwrap.mixed_precision import MixedPrecision, cast_floating
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
+from shardwrap.spare import Spares
 from shardwrap.stage import Stage
 from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
 from shardwrap.wrap import PolicyLike, as_policy
@@ -691,8 +692,10 @@ class ShardedModule(nn.Module):
         self.offload_store = store
         self._copy_streams: dict[str, torch.cuda.Stream] = {}  # "to device", "to host"
         self._copies_pending = False  # copies on _copy_streams since the last finish_host_copies
+        self.spares = Spares()  # freed CPU buffers for the next unit's unshard (design/notes/spare-buffers.md)
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
+        self._unit_of_module: dict[int, tuple[nn.Module, Unit]] = {}  # id(unit's module) -> (it, its unit)
         built: dict[int, Unit] = {}
 
         checkpoint_wrappers = _checkpoint_wrappers(module)
@@ -719,6 +722,7 @@ class ShardedModule(nn.Module):
             hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
             hooked.register_forward_pre_hook(outside_compile(unit.pre_forward), prepend=True)
             hooked.register_forward_hook(outside_compile(unit.post_forward))
+            self._unit_of_module[id(plan.module)] = (plan.module, unit)
             built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
 
@@ -832,7 +836,42 @@ class ShardedModule(nn.Module):
         nothing to a name, so ``get_state_dict``/``set_state_dict`` use the unwrapped model's keys."""
         return {"module": "module"}
 
+    def register_forward_method(self, name: str, module: nn.Module | None = None) -> None:
+        """Let calls of ``module.<name>`` (default: the wrapped model's; else a module that is a
+        unit) run as its ``forward`` runs: the unit's parameters gathered around the call, its
+        gradient reduced in backward. For methods other than ``forward`` that read the unit's
+        own parameters, such as CLIP's ``encode_text`` or a VAE's ``encode``; ``fully_shard``'s
+        ``register_fsdp_forward_method``. Units called inside the method need nothing: their
+        ``__call__`` runs their hooks."""
+        target = self.module if module is None or module is self else module
+        found = self._unit_of_module.get(id(target))
+        if found is None or found[0] is not target:
+            raise ValueError(
+                f"register_forward_method({name!r}): {type(target).__name__} is not a unit of this ShardedModule; "
+                f"pass the wrapped model or a module that auto_wrap_policy made a unit ({', '.join(u.name for u in self._units)})"
+            )
+        unit = found[1]
+        if not callable(getattr(type(target), name, None)):
+            raise ValueError(f"register_forward_method({name!r}): {type(target).__name__} has no method {name!r}")
+        bound = getattr(target, name)
+        sharded = self
+
+        def as_forward(*args: Any, **kwargs: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                hook_args = a  # what the forward hooks see for a positional call
+                outside_compile(unit.pre_forward)(target, hook_args)
+                return outside_compile(unit.post_forward)(target, hook_args, bound(*a, **k))
+
+            return sharded._run_forward(run, args, kwargs)
+
+        as_forward.__wrapped__ = bound  # type: ignore[attr-defined]
+        object.__setattr__(target, name, as_forward)  # an instance attribute: the class's method stays
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_forward(self.module, args, kwargs)
+
+    def _run_forward(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``fn`` (the wrapped model, or a registered method) under the root's call state."""
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:  # compute runs in param_dtype from the first layer on
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
@@ -840,9 +879,11 @@ class ShardedModule(nn.Module):
             u.training_state is TrainingState.FORWARD for u in self._units
         ):
             self._recover()  # a forward raised: clean up here, so that FORWARD below means re-entry
+        if self.in_call:  # a registered method called inside the forward: the root's state is set
+            return fn(*args, **kwargs)
         self.in_call = True
         try:
-            return self.module(*args, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as exc:
             if "mixed torch.Tensor and DTensor" not in str(exc):
                 raise
@@ -850,8 +891,9 @@ class ShardedModule(nn.Module):
             raise RuntimeError(
                 f"rank {collectives.rank()}: a sharded parameter (a DTensor) was used outside its unit's "
                 f"forward, while unit '{running[-1] if running else '<root>'}' ran. A unit's parameters are "
-                f"full tensors only inside that unit's forward: read them there, or let auto_wrap_policy put "
-                f"the code that reads them in the same unit ({exc})"
+                f"full tensors only inside that unit's forward: read them there, let auto_wrap_policy put "
+                f"the code that reads them in the same unit, or, for a method of the unit's module other than "
+                f"forward, call model.register_forward_method(name, module=...) once after wrapping ({exc})"
             ) from exc
         finally:
             self.in_call = False
@@ -946,6 +988,7 @@ class ShardedModule(nn.Module):
         if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
+        self.spares.open()
 
     def _recover(self) -> None:
         """The last forward or backward raised before it finished (a user hook, an autograd
@@ -955,6 +998,7 @@ class ShardedModule(nn.Module):
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
         for unit in self._units:
             unit.abandon()
+        self.spares.close()
         self.finish_host_copies()  # offload on a GPU: no copy lands in a gradient or reads a shard later
         self._replicas_started = 0
         self.schedule.end_backward()  # waits for the count exchanges still in flight
@@ -973,6 +1017,7 @@ class ShardedModule(nn.Module):
         backward will follow, leave nothing unsharded."""
         for unit in self.schedule.take_prefetched():
             unit.reshard()
+        self.spares.close()
         if not self.expect_backward:
             for unit in self._units:
                 unit.reshard()
@@ -986,6 +1031,7 @@ class ShardedModule(nn.Module):
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self.schedule.begin_backward(sync=self.sync)
+        self.spares.open()
 
     def prefetch_backward(self) -> None:
         ahead = self.schedule.backward_prefetch()
@@ -1100,6 +1146,7 @@ class ShardedModule(nn.Module):
             else:
                 unit.restore_params()
             unit.training_state = TrainingState.IDLE
+        self.spares.close()
         self.expect_backward = False
         self._state = TrainingState.IDLE
         self.steps_done += 1

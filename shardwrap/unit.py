@@ -400,6 +400,10 @@ class Unit:
         return self._grad
 
     @property
+    def unsharded_nbytes(self) -> int:
+        return self.layout.padded_unsharded_numel * self._padded_unsharded.element_size()
+
+    @property
     def needs_gather(self) -> bool:
         """Whether ``unshard`` would start an all-gather."""
         return self.data_state in (DataState.SHARDED, DataState.UNSHARDED_STALE)
@@ -560,6 +564,7 @@ class Unit:
         ahead = schedule.forward_prefetch(self)
         if ahead is not None:
             ahead.unshard(async_op=True)
+        root.spares.drop()  # the allocations that could reuse them are made: none waits through compute
         self._install_unsharded_views()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -583,7 +588,10 @@ class Unit:
         # them here would only gather them again at once (design/notes/prefetch.md).
         backward_next = wants_grad and module.training and (self.index == 0 or root.schedule.ended_last_forward(self))
         if self.stage.reshard_after_forward and not backward_next:
-            self.reshard()
+            # The buffer may wait for the unit the next pre_forward gathers ahead, if it is as big
+            # (design/notes/spare-buffers.md).
+            after = root.schedule.gathers_after(self)
+            self.reshard(spare=after is not None and after.unsharded_nbytes == self.unsharded_nbytes)
         if self.index == 0:
             root.root_post_forward()
         return output
@@ -610,6 +618,7 @@ class Unit:
         self._root.apply_completed_reductions()  # before this unit's buffers are allocated
         self.unshard()  # finishes a prefetch, or gathers a unit outside the schedule
         self._root.prefetch_backward()
+        self._root.spares.drop()
 
     def post_backward(self) -> None:
         """Autograd finished this unit's flat gradient for this backward (post-accumulate-grad
@@ -692,6 +701,12 @@ class Unit:
             return
         if self.device.type == "cpu" and W > 1:
             self._check_in_step()
+        if self.store is not None and self.store.kind == "disk":
+            # The next units' master shards start coming from disk while this rank computes
+            # (design/notes/offload.md, "Reading ahead"); wrap order is the usual forward order.
+            step = -1 if self._root.in_backward() else 1
+            for ahead in (self.index + step, self.index + 2 * step):
+                self.store.read_ahead(ahead)
         if self.store is not None:  # the master shard is on the offload side: stage it here
             if self.device.type == "cuda":
                 # On a copy stream of its own, into a buffer from that stream's pool: the copy waits
@@ -704,8 +719,10 @@ class Unit:
                     send.copy_(self.read_shard(), non_blocking=True)
                 compute.wait_stream(stream)
                 send.record_stream(compute)  # freed only after the compute stream has used it
-            else:  # a CPU-only run: the same path, a host-to-host copy
-                send = torch.empty(S + 1, dtype=self.param_dtype, device=self.device)
+            else:  # a CPU-only run: the same path, a host-to-host copy (into the last unit's send buffer)
+                send = torch.empty(0, dtype=self.param_dtype, device=self.device)
+                self._root.spares.allocate("send", send.untyped_storage(), (S + 1) * send.element_size())
+                send.set_(send.untyped_storage(), 0, (S + 1,), (1,))
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
@@ -787,23 +804,26 @@ class Unit:
             self._allocate_unsharded()
             with torch.no_grad():
                 self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
+        if self.store is not None and self.device.type == "cpu":
+            self._root.spares.release("send", gather.send.untyped_storage())  # the next unit copies into it
         self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
 
     def _allocate_unsharded(self) -> None:
         storage = self._padded_unsharded.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.layout.padded_unsharded_numel * self._padded_unsharded.element_size())
+            self._root.spares.allocate("unsharded", storage, self.unsharded_nbytes)  # a freed unit's memory, on a CPU
 
-    def reshard(self) -> None:
+    def reshard(self, spare: bool = False) -> None:
         """Free the unsharded buffer: -> SHARDED, unless the shard lives in the unsharded buffer
         (stage 1), which then stays. The slots get the sharded parameters first, so no module
-        ever holds a view of freed storage."""
+        ever holds a view of freed storage. ``spare``: on a CPU the memory waits for the next
+        unit's gather instead of going back to the system."""
         self._install_sharded_params()
         if self.data_state is DataState.GATHERING:
             self._finish_gather()  # a prefetch nobody used: complete it so the sequence stays paired
         if self.shard_in_unsharded or self._data is DataState.SHARDED:
             return
-        self._free_unsharded()
+        self._free_unsharded(spare)
         self._data = DataState.SHARDED
 
     def abandon(self) -> None:
@@ -842,10 +862,15 @@ class Unit:
             self._data = DataState.SHARDED
         self.training_state = TrainingState.IDLE
 
-    def _free_unsharded(self) -> None:
-        # Autograd may still hold views of this storage; shrinking the storage (not dropping the
-        # tensor) frees the memory and keeps those views valid for the next unshard.
-        self._padded_unsharded.untyped_storage().resize_(0)
+    def _free_unsharded(self, spare: bool = False) -> None:
+        # Autograd may still hold views of this storage; emptying the storage (not dropping the
+        # tensor) frees the memory and keeps those views valid for the next unshard. A spare's
+        # memory waits for the next unit's unshard (design/notes/spare-buffers.md).
+        storage = self._padded_unsharded.untyped_storage()
+        if spare:
+            self._root.spares.release("unsharded", storage)
+        else:
+            storage.resize_(0)
 
     def _check_tags(self, gathered: torch.Tensor, send: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Raise if ranks gathered different units (their forwards ran different units).

@@ -696,6 +696,7 @@ class ShardedModule(nn.Module):
         self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         self._unit_of_module: dict[int, tuple[nn.Module, Unit]] = {}  # id(unit's module) -> (it, its unit)
+        self._method_call: Callable[..., Any] | None = None  # a registered method, for the next forward
         built: dict[int, Unit] = {}
 
         checkpoint_wrappers = _checkpoint_wrappers(module)
@@ -813,6 +814,20 @@ class ShardedModule(nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
+    # A wrapped container (nn.Sequential, nn.ModuleList, nn.ModuleDict) still indexes, iterates and
+    # has a length, as under fully_shard; any other model raises TypeError as it would unwrapped.
+    def __getitem__(self, index: Any) -> Any:
+        return self.module[index]  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.module)  # type: ignore[call-overload]
+
+    def __len__(self) -> int:
+        return len(self.module)  # type: ignore[arg-type]
+
+    def __bool__(self) -> bool:
+        return True  # ``if model:`` must not ask for a length a model without one lacks
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
@@ -862,16 +877,19 @@ class ShardedModule(nn.Module):
                 outside_compile(unit.pre_forward)(target, hook_args)
                 return outside_compile(unit.post_forward)(target, hook_args, bound(*a, **k))
 
-            return sharded._run_forward(run, args, kwargs)
+            previous, sharded._method_call = sharded._method_call, run
+            try:
+                return sharded.forward(*args, **kwargs)
+            finally:
+                sharded._method_call = previous
 
         as_forward.__wrapped__ = bound  # type: ignore[attr-defined]
         object.__setattr__(target, name, as_forward)  # an instance attribute: the class's method stays
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_forward(self.module, args, kwargs)
-
-    def _run_forward(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """``fn`` (the wrapped model, or a registered method) under the root's call state."""
+        # A registered method's call runs here too, in place of the wrapped model
+        # (register_forward_method); one frame, so torch.compile breaks no more often.
+        fn, self._method_call = self._method_call or self.module, None
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:  # compute runs in param_dtype from the first layer on
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
@@ -879,9 +897,7 @@ class ShardedModule(nn.Module):
             u.training_state is TrainingState.FORWARD for u in self._units
         ):
             self._recover()  # a forward raised: clean up here, so that FORWARD below means re-entry
-        if self.in_call:  # a registered method called inside the forward: the root's state is set
-            return fn(*args, **kwargs)
-        self.in_call = True
+        previous, self.in_call = self.in_call, True  # a registered method may run inside the forward
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
@@ -896,7 +912,7 @@ class ShardedModule(nn.Module):
                 f"forward, call model.register_forward_method(name, module=...) once after wrapping ({exc})"
             ) from exc
         finally:
-            self.in_call = False
+            self.in_call = previous
 
     def copy_stream(self, device: torch.device, direction: str) -> "torch.cuda.Stream":
         """The CUDA stream that offloaded units copy on in ``direction``: ``"to device"`` (shards

@@ -188,3 +188,38 @@ def test_no_sync_accumulates_in_reduce_dtype_like_fully_shard():
             # fp32 sums of the same bf16 gradients: equal up to the order of the additions
             torch.testing.assert_close(mine["grads"][name], oracle, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
             torch.testing.assert_close(mine["grads"][name], fs["grads"][name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} vs fully_shard: {m}")
+
+
+def on_ranks_containers() -> dict:
+    """A wrapped nn.Sequential indexes, iterates and has a length like the unwrapped one; a
+    wrapped model that is no container raises TypeError for each, as it does unwrapped, and is
+    still true in a condition."""
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    kinds = [type(m).__name__ for m in seq]
+    model = ShardedModule(seq, auto_wrap_policy={nn.Linear}, stage=3)
+    out = {
+        "len": (len(model), len(seq)), "kinds": ([type(m).__name__ for m in model], kinds),
+        "first_is_same": model[0] is seq[0], "slice": type(model[1:]).__name__, "bool": bool(model),
+    }
+    x = torch.randn(2, 4)
+    out["through_index"] = model[1](x).shape == (2, 4)  # the ReLU: no parameters of its own
+    plain = ShardedModule(nn.Linear(4, 4), auto_wrap_policy=set())
+    errors = []
+    for probe in (lambda: plain[0], lambda: iter(plain), lambda: len(plain)):
+        try:
+            probe()
+        except TypeError as exc:
+            errors.append(str(exc))
+    out["errors"], out["plain_bool"] = errors, bool(plain)
+    return out
+
+
+def test_a_wrapped_container_indexes_iterates_and_has_a_length():
+    for r in run_on_ranks(WORLD, on_ranks_containers):
+        assert r["len"] == (3, 3) and r["kinds"][0] == r["kinds"][1], r
+        assert r["first_is_same"] and r["slice"] == "Sequential" and r["bool"] and r["through_index"], r
+        assert len(r["errors"]) == 3 and all("Linear" in e for e in r["errors"]), r["errors"]
+        assert r["plain_bool"]

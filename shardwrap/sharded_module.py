@@ -37,7 +37,7 @@ from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, U
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.spare import Spares
 from shardwrap.stage import Stage
-from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_compile
+from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_checkpoint_modes, outside_compile
 from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -721,8 +721,8 @@ class ShardedModule(nn.Module):
                 _RETIRED_PARAMS[old] = plan.fqns[j]
                 _SHARDED_PARAMS[new] = weakref.ref(unit)
             hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
-            hooked.register_forward_pre_hook(outside_compile(unit.pre_forward), prepend=True)
-            hooked.register_forward_hook(outside_compile(unit.post_forward))
+            hooked.register_forward_pre_hook(outside_compile(outside_checkpoint_modes(unit.pre_forward)), prepend=True)
+            hooked.register_forward_hook(outside_compile(outside_checkpoint_modes(unit.post_forward)))
             self._unit_of_module[id(plan.module)] = (plan.module, unit)
             built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
@@ -874,8 +874,8 @@ class ShardedModule(nn.Module):
         def as_forward(*args: Any, **kwargs: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
                 hook_args = a  # what the forward hooks see for a positional call
-                outside_compile(unit.pre_forward)(target, hook_args)
-                return outside_compile(unit.post_forward)(target, hook_args, bound(*a, **k))
+                outside_compile(outside_checkpoint_modes(unit.pre_forward))(target, hook_args)
+                return outside_compile(outside_checkpoint_modes(unit.post_forward))(target, hook_args, bound(*a, **k))
 
             previous, sharded._method_call = sharded._method_call, run
             try:

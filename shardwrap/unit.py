@@ -17,6 +17,7 @@ tables of both enums.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from shardwrap import collectives
 from shardwrap.offload import OffloadStore
@@ -127,6 +130,31 @@ def outside_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
     between the compiled regions, so collectives, state transitions and slot swaps stay out of
     every graph (design/notes/torch-compile.md)."""
     return torch._dynamo.disable(hook, recursive=True, reason="shardwrap unit hooks run eagerly")
+
+
+_SAC_MODES = tuple(
+    getattr(torch.utils.checkpoint, name)
+    for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+    if hasattr(torch.utils.checkpoint, name)
+)
+
+
+def outside_checkpoint_modes(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run with selective activation checkpointing's dispatch modes out of the way, when
+    a unit's forward hooks fire inside a checkpointed region (``checkpoint(unit, ...,
+    context_fn=create_selective_checkpoint_contexts(...))``). Those modes log every op of the
+    region's forward and expect the same ops, in the same order, when backward recomputes it;
+    the hooks' own ops (gathers, views, finishing gradients) differ between the two runs
+    (design/notes/activation-checkpointing.md, "Selective checkpointing")."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _SAC_MODES and any(isinstance(mode, _SAC_MODES) for mode in _get_current_dispatch_mode_stack()):
+            with _disable_current_modes():
+                return hook(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    return run
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -405,13 +405,29 @@ def scaled(dim: int = 16) -> nn.Module:
 # ---- activation checkpointing (tests/test_activation_checkpointing.py) ---------------------------
 
 
+def selective_context():  # type: ignore[no-untyped-def]
+    """Selective activation checkpointing's contexts (torchtitan's kind of policy): the outputs
+    of matrix multiplications are saved, everything else is recomputed in backward."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 class CheckpointedMLP(MLP):
     """``MLP`` whose forward runs each Block through ``torch.utils.checkpoint.checkpoint`` while
-    training: ``checkpoint`` is None (plain), "reentrant" or "non_reentrant"."""
+    training: ``checkpoint`` is None (plain), "reentrant", "non_reentrant" or "selective"
+    (non-reentrant, with ``selective_context``)."""
 
     def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None) -> None:
         super().__init__(dim, depth, out)
-        if checkpoint not in (None, "reentrant", "non_reentrant"):
+        if checkpoint not in (None, "reentrant", "non_reentrant", "selective"):
             raise ValueError(f"checkpoint={checkpoint!r}")
         self.checkpoint = checkpoint
 
@@ -421,7 +437,10 @@ class CheckpointedMLP(MLP):
         x = self.inp(x)
         for block in self.blocks:
             if self.checkpoint is not None and self.training:
-                x = checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+                if self.checkpoint == "selective":
+                    x = checkpoint(block, x, use_reentrant=False, context_fn=selective_context())
+                else:
+                    x = checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
             else:
                 x = block(x)
         return self.head(x)
@@ -460,18 +479,25 @@ def is_block(module: nn.Module) -> bool:
     return isinstance(module, Block)
 
 
-def apply_block_checkpointing(model: nn.Module) -> nn.Module:
+def apply_block_checkpointing(model: nn.Module, selective: bool = False) -> nn.Module:
     """torch's ``apply_activation_checkpointing`` (default: non-reentrant ``CheckpointWrapper``) on
-    every ``Block``: each Block moves under ``<name>._checkpoint_wrapped_module``."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    every ``Block``: each Block moves under ``<name>._checkpoint_wrapped_module``. ``selective``:
+    the wrappers take ``selective_context`` (torchtitan's way)."""
+    import functools
 
-    apply_activation_checkpointing(model, check_fn=is_block)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+
+    if selective:
+        wrapper = functools.partial(checkpoint_wrapper, context_fn=selective_context())
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=is_block)
+    else:
+        apply_activation_checkpointing(model, check_fn=is_block)
     return model
 
 
-def mlp_checkpoint_wrapped(dim: int = 16, depth: int = 3, out: int = 5) -> nn.Module:
+def mlp_checkpoint_wrapped(dim: int = 16, depth: int = 3, out: int = 5, selective: bool = False) -> nn.Module:
     """``mlp`` with ``apply_block_checkpointing`` applied."""
-    return apply_block_checkpointing(MLP(dim, depth, out))
+    return apply_block_checkpointing(MLP(dim, depth, out), selective)
 
 
 def gpt2_checkpointed(checkpoint_kwargs: dict | None = None, **gpt2_kwargs: Any) -> nn.Module:

@@ -10,6 +10,9 @@ Variants:
                                     arrives twice in one backward, once from a nested backward
   wrapper_before / wrapper_after    torch's apply_activation_checkpointing on the Blocks, before or
                                     after wrapping with ShardedModule (``models.mlp_checkpoint_wrapped``)
+  fn_selective / wrapper_selective  selective checkpointing (matrix products saved, the rest
+                                    recomputed): checkpoint(block, context_fn=...) in the forward,
+                                    or checkpoint_wrapper(context_fn=...) before wrapping
   hf_default / hf_reentrant / hf_non_reentrant
                                     HF GPT-2 with gradient_checkpointing_enable() (kwargs None,
                                     use_reentrant True, use_reentrant False)
@@ -58,10 +61,12 @@ VARIANTS = {
     "none": ("checkpointed_mlp", {**_MLP, "checkpoint": None}, "Block", "regression"),
     "fn_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "fn_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
+    "fn_selective": ("checkpointed_mlp", {**_MLP, "checkpoint": "selective"}, "Block", "regression"),
     "inside_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
     "inside_non_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "wrapper_before": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
     "wrapper_after": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
+    "wrapper_selective": ("mlp_checkpoint_wrapped", {**_MLP, "selective": True}, "Block", "regression"),
     "hf_none": ("gpt2", _GPT2, "GPT2Block", "lm"),
     "hf_default": ("gpt2_checkpointed", {**_GPT2, "checkpoint_kwargs": None}, "GPT2Block", "lm"),
     "hf_reentrant": ("gpt2_checkpointed", {**_GPT2, "checkpoint_kwargs": {"use_reentrant": True}}, "GPT2Block", "lm"),
@@ -220,7 +225,7 @@ def test_checkpointing_sgd(stage, variant):
     check(variant, make_case(variant, stage, optim="sgd"))
 
 
-@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default", "inside_reentrant"])
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default", "inside_reentrant", "fn_selective"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_checkpointing_adamw(stage, variant):
     check(variant, make_case(variant, stage, optim="adamw"))

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-import torch.utils.checkpoint
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from shardwrap import collectives

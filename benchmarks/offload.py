@@ -139,7 +139,7 @@ def _status(field: str) -> int:
     return 0
 
 
-def disk_bytes(device: str) -> tuple[int, int]:
+def device_io_bytes(device: str) -> tuple[int, int]:
     """Bytes read and written by the disk itself (/proc/diskstats, 512-byte sectors): what both ranks
     and the kernel's writeback moved, whenever it happened."""
     with open("/proc/diskstats") as f:
@@ -199,7 +199,7 @@ def train(offload: Offload | None, label: str) -> dict:
     for step in range(args.steps):
         dist.barrier()
         read0, written0 = io_bytes()
-        dev0 = disk_bytes(DEVICE)
+        dev0 = device_io_bytes(DEVICE)
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         with Sampler() as mem:
@@ -217,7 +217,7 @@ def train(offload: Offload | None, label: str) -> dict:
                 sharded.offload_store.release_pages()
             dist.barrier()
         read1, written1 = io_bytes()
-        dev1 = disk_bytes(DEVICE)
+        dev1 = device_io_bytes(DEVICE)
         usage1 = resource.getrusage(resource.RUSAGE_SELF)
         steps.append({"user_s": usage1.ru_utime - usage0.ru_utime, "sys_s": usage1.ru_stime - usage0.ru_stime,
                       "faults": usage1.ru_minflt - usage0.ru_minflt + usage1.ru_majflt - usage0.ru_majflt,

@@ -156,7 +156,10 @@ class OffloadStore:
         """Ask the kernel to start reading unit number ``unit``'s master shard (``shard_only``) or
         all its files into the page cache, without waiting: a hint that lets the disk work
         while this rank computes the units before it. An index with no files: nothing."""
-        maps = [self._shard_maps[unit]] if shard_only and unit in self._shard_maps else [] if shard_only else self._unit_maps.get(unit, [])
+        if shard_only:
+            maps = [self._shard_maps[unit]] if unit in self._shard_maps else []
+        else:
+            maps = self._unit_maps.get(unit, [])
         for mapped in maps:
             mapped.madvise(mmap.MADV_WILLNEED)
 

@@ -866,22 +866,23 @@ class ShardedModule(nn.Module):
                 f"pass the wrapped model or a module that auto_wrap_policy made a unit ({', '.join(u.name for u in self._units)})"
             )
         unit = found[1]
-        if not callable(getattr(type(target), name, None)):
+        method = getattr(type(target), name, None)
+        if not callable(method):
             raise ValueError(f"register_forward_method({name!r}): {type(target).__name__} has no method {name!r}")
-        bound = getattr(target, name)
-        sharded = self
+        bound = method.__get__(target)  # the class's method: registering twice does not nest
+        pre_forward = outside_compile(outside_checkpoint_modes(unit.pre_forward))
+        post_forward = outside_compile(outside_checkpoint_modes(unit.post_forward))
+
+        def run(*args: Any, **kwargs: Any) -> Any:  # the hooks see the positional arguments, as for forward
+            pre_forward(target, args)
+            return post_forward(target, args, bound(*args, **kwargs))
 
         def as_forward(*args: Any, **kwargs: Any) -> Any:
-            def run(*a: Any, **k: Any) -> Any:
-                hook_args = a  # what the forward hooks see for a positional call
-                outside_compile(outside_checkpoint_modes(unit.pre_forward))(target, hook_args)
-                return outside_compile(outside_checkpoint_modes(unit.post_forward))(target, hook_args, bound(*a, **k))
-
-            previous, sharded._method_call = sharded._method_call, run
+            previous, self._method_call = self._method_call, run
             try:
-                return sharded.forward(*args, **kwargs)
+                return self.forward(*args, **kwargs)
             finally:
-                sharded._method_call = previous
+                self._method_call = previous
 
         as_forward.__wrapped__ = bound  # type: ignore[attr-defined]
         object.__setattr__(target, name, as_forward)  # an instance attribute: the class's method stays

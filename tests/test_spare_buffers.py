@@ -56,9 +56,17 @@ def make() -> nn.Module:
 
 def train(stage: int, offload: str | None, reuse: bool, optim: str) -> dict:
     import shardwrap.spare
-    from shardwrap import Offload, ShardedModule
 
     shardwrap.spare.REUSE = reuse
+    try:
+        return _train(stage, offload, optim)
+    finally:
+        shardwrap.spare.REUSE = True  # the worker processes run later tests too
+
+
+def _train(stage: int, offload: str | None, optim: str) -> dict:
+    from shardwrap import Offload, ShardedModule
+
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = make()
@@ -81,7 +89,6 @@ def train(stage: int, offload: str | None, reuse: bool, optim: str) -> dict:
         after_steps.append(model.spares.kept_bytes)
     full = model.full_state_dict(rank0_only=False)
     gap = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    shardwrap.spare.REUSE = True
     return {
         "seen": Block.seen, "after_steps": after_steps, "reused": model.spares.reused, "gap": gap,
         "params": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},

@@ -14,7 +14,8 @@ device-to-host copies and how much of their time overlaps kernels on the compute
 
 Checks (exit status 1 if one fails): every offloaded run's losses equal the unwrapped model's to
 1e-4; at the small batch the offloaded device peak is below the peak without offload; the shard
-copies to the device run on a stream other than the compute stream and overlap it.
+copies to the device run on a stream other than the compute stream and overlap it; at least a
+quarter of the gradient copies' time to the host overlaps compute (these two not with --quick).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ p.add_argument("--quick", action="store_true", help="a tiny model and few steps 
 p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                help="sgd: SGD with momentum, which (unlike Adam) shows a gradient off by a constant factor")
 p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+p.add_argument("--trace", action="store_true",
+               help="also write the profiled shardwrap steps' trace (offload_cuda_trace.json.gz in --out)")
 args = p.parse_args()
 ON_GPU = args.device == "cuda"
 if ON_GPU and not torch.cuda.is_available():
@@ -161,6 +164,11 @@ def profile_case(impl: str, shape: tuple[int, int]) -> dict[str, Any]:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             events = json.load(g)["traceEvents"]
+    if args.trace and impl.startswith("shardwrap"):
+        import gzip
+
+        with gzip.open(os.path.join(args.out, "offload_cuda_trace.json.gz"), "wt") as z:
+            json.dump({"traceEvents": events}, z)
     per_stream: dict[int, list[tuple[float, float, str]]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -203,10 +211,15 @@ for shape in BATCHES:
 report["timing"] = timing
 profiles = {impl: profile_case(impl, BATCHES[0]) for impl in ["shardwrap s3 cpu-offload", "fully_shard cpu-offload"] if ON_GPU}
 report["streams"] = profiles
-if ON_GPU:
+if ON_GPU and not args.quick:  # a toy model leaves no compute to overlap
     h2d = [r for r in profiles["shardwrap s3 cpu-offload"]["rows"] if r["what"] == "HtoD" and not r["compute"]]
     if not h2d or sum(r["overlap_us"] for r in h2d) <= 0:
         failures.append(f"shard copies to the device: not on a stream of their own, or never beside compute: {h2d}")
+    # A gradient is copied to the host as soon as it is reduced, beside the backward of the units
+    # before it; only the last unit's copy (the root's) has no compute left to hide behind.
+    d2h = [r for r in profiles["shardwrap s3 cpu-offload"]["rows"] if r["what"] == "DtoH" and not r["compute"]]
+    if not d2h or sum(r["overlap_us"] for r in d2h) < 0.25 * sum(r["busy_us"] for r in d2h):
+        failures.append(f"gradient copies to the host: under a quarter of their time beside compute: {d2h}")
 dist.destroy_process_group()
 
 lines = [f"# Offload on one GPU: {report['device']}, torch {report['torch']}, GPT-2 {SHAPE}, {args.optimizer}, one rank\n",

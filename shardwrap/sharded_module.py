@@ -1067,6 +1067,7 @@ class ShardedModule(nn.Module):
         self.apply_completed_reductions()
         unit.reduce_scatter_grad()
         self.schedule.started(unit)
+        unit.finish_grad_beside_compute()  # offload on a GPU: off to the host as soon as it is reduced
         while (oldest := self.schedule.over_bound()) is not None:
             self._reduced(oldest)
 

@@ -790,7 +790,8 @@ class Unit:
         averaged = reduced.to(self.dtype)  # reduced is this unit's own buffer: averaging in place is safe
         _average_grad(averaged, self.world_size * self.replicas)
         stream, compute = self._root.copy_stream(self.device, "to host"), torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)  # after the average (and the reduction it reads)
+        if compute != stream:  # (finish_grad_beside_compute runs all of this on the copy stream)
+            stream.wait_stream(compute)  # after the average (and the reduction it reads)
         with torch.cuda.stream(stream):
             host.copy_(averaged, non_blocking=True)
         averaged.record_stream(stream)
@@ -1088,6 +1089,32 @@ class Unit:
             return False
         shard_bytes = (self.layout.grad_shard_numel + 1) * self.reduce_dtype.itemsize
         return collectives.sends_pieces(self.reduce_group, self.device, shard_bytes, self.layout.num_trainable + 1)
+
+    def finish_grad_beside_compute(self) -> bool:
+        """Offload on a GPU, right after the reduce-scatter starts: queue the rest of the unit's
+        gradient (the wait for the collective, the average and the copy to pinned host memory) on
+        the "to host" copy stream, so the shard is copied out as soon as it is reduced and its
+        device buffers are freed then. The compute stream never waits for the collective, so no
+        all-gather issued later queues behind a reduce-scatter a peer has not issued yet. Returns
+        whether it did; otherwise the reduction stays in flight and the end of backward finishes
+        it, as without offload.
+
+        Not when a gradient must be added into an existing ``p.grad`` (the host would block
+        mid-backward on a collective), nor for hybrid sharding (its all-reduce over replicas
+        starts in a fixed order) or a rank whose backward did not reach the unit (its used-flag
+        is read on the host) (design/notes/offload.md, "Copies on a GPU")."""
+        r = self._reduction
+        if self.store is None or self.device.type != "cuda" or r is None or not r.used_here or self.replicate_group is not None:
+            return False
+        if any(p.grad is not None for p in self.sharded_params[: self.layout.num_trainable]):
+            return False
+        stream = self._root.copy_stream(self.device, "to host")
+        for buffer in (r.output, r.input):  # made on the compute stream; reused only once the copy stream is past them
+            if buffer is not None:
+                buffer.record_stream(stream)
+        with torch.cuda.stream(stream):
+            self.finish_grad()
+        return True
 
     def reduce_completed(self) -> bool:
         """Whether the reduce-scatter in flight has finished (never blocks)."""

@@ -43,6 +43,9 @@ p.add_argument("--no-spares", action="store_true", help="free every unsharded bu
 p.add_argument("--tag", default="", help="appended to the result files' names")
 p.add_argument("--dd-mib", type=int, default=2048, help="size of the dd bandwidth probe (0: skip)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+p.add_argument("--timeline", action="store_true",
+               help="also report, for the disk run's last step on rank 0, the peak RssAnon while each unit runs forward or "
+                    "backward, beside the gradient shards alive then")
 p.add_argument("--no-thp", action="store_true",
                help="leave torch's THP_MEM_ALLOC_ENABLE unset (default: 1, huge pages for large CPU buffers, set before torch loads)")
 args = p.parse_args()
@@ -107,14 +110,23 @@ class Sampler:
     def __enter__(self) -> "Sampler":
         self.peak, self._stop = rss_anon(), threading.Event()
         self.file_peak = rss_file()
+        self.marker = ""  # --timeline: what runs now; per marker, first-seen order: [peak RssAnon, bytes alive]
+        self.marks: dict[str, list[int]] = {}
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
 
+    def mark(self, what: str, live: int = 0) -> None:
+        self.marks.setdefault(what, [rss_anon(), live])  # before the marker: the poller reads marks[marker]
+        self.marker = what
+
     def _poll(self) -> None:
         while not self._stop.wait(0.01):
-            self.peak = max(self.peak, rss_anon())
+            anon = rss_anon()
+            self.peak = max(self.peak, anon)
             self.file_peak = max(self.file_peak, rss_file())
+            if self.marker:
+                self.marks[self.marker][0] = max(self.marks[self.marker][0], anon)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -194,6 +206,22 @@ def train(offload: Offload | None, label: str) -> dict:
         sharded = ShardedModule(model, auto_wrap_policy=unit_policy, stage=3, offload=offload)
     wrap_time = time.perf_counter() - start
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+    timeline: dict[str, list[int]] = {}
+    watch: list[Sampler] = []  # the sampler of the step the timeline records
+    if args.timeline and offload is not None and rank == 0:
+        grads = [p for p in sharded.parameters()]
+
+        def live() -> int:  # bytes of the gradient shards alive now
+            return sum(p.grad.to_local().nbytes for p in grads if p.grad is not None)
+
+        def mark(what: str, with_live: bool) -> None:
+            if watch:
+                watch[0].mark(what, live() if with_live else 0)
+
+        for name, module in sharded.named_modules():
+            if unit_policy(module):
+                module.register_forward_pre_hook(lambda m, a, n=name: mark(f"forward {n}", False))
+                module.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"backward {n}", True))
     ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(rank + 1))
     steps = []
     for step in range(args.steps):
@@ -203,16 +231,25 @@ def train(offload: Offload | None, label: str) -> dict:
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         with Sampler() as mem:
+            if args.timeline and offload is not None and rank == 0 and step == args.steps - 1:
+                watch.append(mem)
+                mem.mark("step start")
             loss = sharded(ids)
             fwd_s = time.perf_counter() - start
             loss.backward()
             bwd_s = time.perf_counter() - start - fwd_s
+            if watch:
+                mem.mark("backward done", sum(p.grad.to_local().nbytes for p in sharded.parameters() if p.grad is not None))
             before_step_file = rss_file()
             opt_start = time.perf_counter()
             with Sampler() as step_mem:
                 opt.step()
             opt_s = time.perf_counter() - opt_start
+            if watch:
+                mem.mark("opt.step() done")
             opt.zero_grad(set_to_none=True)
+            if watch:
+                mem.mark("zero_grad done")
             if args.release_pages and sharded.offload_store is not None:
                 sharded.offload_store.release_pages()
             dist.barrier()
@@ -234,7 +271,11 @@ def train(offload: Offload | None, label: str) -> dict:
                   f"read {s['read'] / GiB:.2f} GiB, written {s['written'] / GiB:.2f} GiB, loss {s['loss']:.4f}", flush=True)
     final = {n: p.detach().to_local().clone() for n, p in sharded.named_parameters()} if args.compare else {}
     del sharded, opt
-    return {"psi": psi, "units": units, "wrap_s": wrap_time, "wrap_peak_anon": wrap_mem.peak, "steps": steps, "final": final}
+    if watch:
+        timeline = dict(watch[0].marks)
+        watch.clear()
+    return {"psi": psi, "units": units, "wrap_s": wrap_time, "wrap_peak_anon": wrap_mem.peak, "steps": steps, "final": final,
+            "timeline": timeline}
 
 
 dist.init_process_group("gloo")
@@ -313,6 +354,26 @@ if rank == 0:
                 )
     if args.compare:
         lines += ["", f"Disk offload and in-memory training end bit-identical on every rank: {all(agreed)}"]
+    if runs["disk"]["timeline"]:
+        marks = list(runs["disk"]["timeline"].items())
+        top = max(range(len(marks)), key=lambda i: marks[i][1][0])
+        lines += ["", f"Rank 0's RssAnon through the last step: the peak while each part ran (the forward's units in one "
+                  f"row; of the backward, every 8th unit, the first and last two and those around the step's peak, at "
+                  f"'{marks[top][0]}'), beside the gradient shards alive when the part began. The hooks that mark the "
+                  f"parts run inside the step: take times from a run without --timeline.", "",
+                  "| part | peak RssAnon GiB | gradient shards alive GiB |", "|---|---|---|"]
+        forward = [v[0] for k, v in marks if k.startswith("forward ")]
+        backward = [i for i, (k, _) in enumerate(marks) if k.startswith("backward ")]
+        for i, (k, (peak, alive)) in enumerate(marks):
+            if k.startswith("forward "):
+                if i == next(j for j, (n, _) in enumerate(marks) if n.startswith("forward ")):
+                    lines.append(f"| forward ({len(forward)} units) | {max(forward) / GiB:.2f} | - |")
+            elif i in backward:
+                at = backward.index(i)
+                if at % 8 == 0 or at < 2 or at >= len(backward) - 2 or abs(i - top) <= 1:
+                    lines.append(f"| {k} | {peak / GiB:.2f} | {alive / GiB:.2f} |")
+            else:
+                lines.append(f"| {k} | {peak / GiB:.2f} | {alive / GiB:.2f} |" if k == "backward done" else f"| {k} | {peak / GiB:.2f} | - |")
     lines += [
         "",
         f"Estimator (`shardwrap.estimate.offload_formula`, this model's units, stage 3, disk): model-state RAM per rank "

@@ -600,6 +600,10 @@ class Unit:
         pre_backward hook; stage 3 reshards."""
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+                # a reentrant checkpoint's inner backward will run through these views: count the
+                # call, so that a unit called twice in the region stays gathered until both are done
+                self._backward_uses += 1
             return output
         if self._reentered:  # an inner call ended; the outer one still runs
             self._reentered -= 1

@@ -423,31 +423,34 @@ def selective_context():  # type: ignore[no-untyped-def]
 class CheckpointedMLP(MLP):
     """``MLP`` whose forward runs each Block through ``torch.utils.checkpoint.checkpoint`` while
     training: ``checkpoint`` is None (plain), "reentrant", "non_reentrant" or "selective"
-    (non-reentrant, with ``selective_context``)."""
+    (non-reentrant, with ``selective_context``). ``twice``: the first Block runs twice in a row,
+    inside one checkpointed region (a unit called twice in one region)."""
 
-    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None) -> None:
+    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False) -> None:
         super().__init__(dim, depth, out)
         if checkpoint not in (None, "reentrant", "non_reentrant", "selective"):
             raise ValueError(f"checkpoint={checkpoint!r}")
         self.checkpoint = checkpoint
+        self.twice = twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         x = self.inp(x)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            run = (lambda y, b=block: b(b(y))) if self.twice and i == 0 else block
             if self.checkpoint is not None and self.training:
                 if self.checkpoint == "selective":
-                    x = checkpoint(block, x, use_reentrant=False, context_fn=selective_context())
+                    x = checkpoint(run, x, use_reentrant=False, context_fn=selective_context())
                 else:
-                    x = checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+                    x = checkpoint(run, x, use_reentrant=self.checkpoint == "reentrant")
             else:
-                x = block(x)
+                x = run(x)
         return self.head(x)
 
 
-def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None) -> nn.Module:
-    return CheckpointedMLP(dim, depth, out, checkpoint)
+def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False) -> nn.Module:
+    return CheckpointedMLP(dim, depth, out, checkpoint, twice)
 
 
 class InnerCheckpointBlock(Block):

@@ -4,6 +4,9 @@ checkpointing (design/notes/activation-checkpointing.md).
 Variants:
   fn_non_reentrant / fn_reentrant   the model's forward calls torch.utils.checkpoint.checkpoint
                                     on each Block (``models.checkpointed_mlp``)
+  twice_reentrant / twice_non_reentrant
+                                    the first Block runs twice inside one checkpointed region: the
+                                    unit must stay gathered until both calls' backward is done
   inside_reentrant / inside_non_reentrant
                                     each Block checkpoints part of its own forward
                                     (``models.inner_checkpointed_mlp``): the unit's gradient
@@ -62,6 +65,8 @@ VARIANTS = {
     "fn_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "fn_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
     "fn_selective": ("checkpointed_mlp", {**_MLP, "checkpoint": "selective"}, "Block", "regression"),
+    "twice_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant", "twice": True}, "Block", "regression"),
+    "twice_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant", "twice": True}, "Block", "regression"),
     "inside_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
     "inside_non_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "wrapper_before": ("mlp_checkpoint_wrapped", _MLP, "Block", "regression"),
@@ -225,7 +230,7 @@ def test_checkpointing_sgd(stage, variant):
     check(variant, make_case(variant, stage, optim="sgd"))
 
 
-@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default", "inside_reentrant", "fn_selective"])
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "hf_default", "inside_reentrant", "fn_selective", "twice_reentrant"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_checkpointing_adamw(stage, variant):
     check(variant, make_case(variant, stage, optim="adamw"))
@@ -249,6 +254,7 @@ def test_reference_checkpointing_recomputes_and_changes_nothing():
     for variant in VARIANTS:
         case = make_case(variant, 3)
         units = 2 if case.data == "lm" else 3
+        units += variant.startswith("twice")  # the first Block runs twice
         runs = 1 if variant in ("none", "hf_none") else 2
         assert unit_forwards_per_step(case) == runs * units, variant
     plain = train_reference(make_case("none", 3))[0]

@@ -83,12 +83,13 @@ def build() -> tuple[torch.nn.Module, type]:
 
 def wrap(impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model, block = build()
-    if impl == "fully_shard cpu-offload":
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    if impl.startswith("fully_shard"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        policy = CPUOffloadPolicy() if "offload" in impl else OffloadPolicy()
         for m in [m for m in model.modules() if isinstance(m, block)]:
-            fully_shard(m, offload_policy=CPUOffloadPolicy())
-        model = fully_shard(model, offload_policy=CPUOffloadPolicy())
+            fully_shard(m, offload_policy=policy)
+        model = fully_shard(model, offload_policy=policy)
     elif impl != "single":  # "shardwrap s<stage>[ cpu-offload]"
         model = ShardedModule(model, auto_wrap_policy={block}, stage=int(impl.split()[1][1]),
                               offload=Offload("cpu") if "offload" in impl else None)
@@ -111,7 +112,7 @@ def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 
 def timing_case(impl: str, shape: tuple[int, int]) -> tuple[dict[str, Any], list[float]]:
     model, opt = wrap(impl)
-    phases, losses = [], []
+    phases, losses, rises = [], [], []  # rises: the device peak in backward above its start
     for step in range(STEPS):  # synchronized between phases: what each phase costs alone
         x = batch(step, shape)
         sync()
@@ -119,8 +120,13 @@ def timing_case(impl: str, shape: tuple[int, int]) -> tuple[dict[str, Any], list
         loss = model(input_ids=x, labels=x).loss
         sync()
         t.append(time.perf_counter())
+        if ON_GPU:
+            torch.cuda.reset_peak_memory_stats()
+            at_start = torch.cuda.memory_allocated()
         loss.backward()
         sync()
+        if ON_GPU:
+            rises.append((torch.cuda.max_memory_allocated() - at_start) / 2**20)
         t.append(time.perf_counter())
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -143,7 +149,8 @@ def timing_case(impl: str, shape: tuple[int, int]) -> tuple[dict[str, Any], list
     peak = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else float("nan")
     skip = min(3, STEPS - 1)  # warm-up
     row = {name: statistics.median(ph[i] for ph in phases[skip:]) for i, name in enumerate(("fwd_ms", "bwd_ms", "step_ms"))}
-    row.update(whole_ms=statistics.median(whole[1:] if len(whole) > 1 else whole), peak_mib=peak, loss=losses[-1])
+    row.update(whole_ms=statistics.median(whole[1:] if len(whole) > 1 else whole), peak_mib=peak, loss=losses[-1],
+               bwd_rise_mib=statistics.median(rises[skip:]) if rises else float("nan"))
     return row, losses
 
 
@@ -191,7 +198,7 @@ def profile_case(impl: str, shape: tuple[int, int]) -> dict[str, Any]:
 report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "torch": torch.__version__, "shape": SHAPE}
 failures: list[str] = []
 IMPLS = ["single", "shardwrap s3", "shardwrap s2 cpu-offload", "shardwrap s3 cpu-offload",
-         *(["fully_shard cpu-offload"] if ON_GPU else [])]  # CPUOffloadPolicy needs an accelerator
+         *(["fully_shard", "fully_shard cpu-offload"] if ON_GPU else [])]  # CPUOffloadPolicy needs an accelerator
 timing: dict[str, dict[str, Any]] = {}
 for shape in BATCHES:
     ref: list[float] = []
@@ -223,11 +230,12 @@ if ON_GPU and not args.quick:  # a toy model leaves no compute to overlap
 dist.destroy_process_group()
 
 lines = [f"# Offload on one GPU: {report['device']}, torch {report['torch']}, GPT-2 {SHAPE}, {args.optimizer}, one rank\n",
-         "| impl @ batch | forward ms | backward ms | step ms | whole step ms | device peak MiB | max abs loss diff |",
-         "|---|---|---|---|---|---|---|"]
-lines += [f"| {k} | {v['fwd_ms']:.1f} | {v['bwd_ms']:.1f} | {v['step_ms']:.1f} | {v['whole_ms']:.1f} | {v['peak_mib']:.0f} | {v['max |loss - single|']:.1e} |"
-          for k, v in timing.items()]
-lines.append("\nForward, backward and step: synchronized between phases (median after warm-up). Whole step: no synchronization inside it.")
+         "| impl @ batch | forward ms | backward ms | step ms | whole step ms | device peak MiB | backward's rise MiB | max abs loss diff |",
+         "|---|---|---|---|---|---|---|---|"]
+lines += [f"| {k} | {v['fwd_ms']:.1f} | {v['bwd_ms']:.1f} | {v['step_ms']:.1f} | {v['whole_ms']:.1f} | {v['peak_mib']:.0f} | "
+          f"{v['bwd_rise_mib']:.0f} | {v['max |loss - single|']:.1e} |" for k, v in timing.items()]
+lines.append("\nForward, backward and step: synchronized between phases (median after warm-up). Whole step: no synchronization "
+             "inside it. Backward's rise: the device peak during backward above the memory allocated when it began.")
 for impl, prof in profiles.items():
     lines += [f"\n## Streams: {impl}, batch {BATCHES[0][0]}x{BATCHES[0][1]}, two steps\n",
               "| stream | what | count | busy us | overlapping compute us |", "|---|---|---|---|---|"]

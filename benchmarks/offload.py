@@ -122,11 +122,12 @@ class Sampler:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.01):
+            marker = self.marker  # before the sample: a sample taken after a new mark is not charged to the old part
             anon = rss_anon()
             self.peak = max(self.peak, anon)
             self.file_peak = max(self.file_peak, rss_file())
-            if self.marker:
-                self.marks[self.marker][0] = max(self.marks[self.marker][0], anon)
+            if marker:
+                self.marks[marker][0] = max(self.marks[marker][0], anon)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -233,23 +234,23 @@ def train(offload: Offload | None, label: str) -> dict:
         with Sampler() as mem:
             if args.timeline and offload is not None and rank == 0 and step == args.steps - 1:
                 watch.append(mem)
-                mem.mark("step start")
+                mem.mark("start of the step")
             loss = sharded(ids)
             fwd_s = time.perf_counter() - start
             loss.backward()
             bwd_s = time.perf_counter() - start - fwd_s
             if watch:
-                mem.mark("backward done", sum(p.grad.to_local().nbytes for p in sharded.parameters() if p.grad is not None))
+                mem.mark("opt.step()", sum(p.grad.to_local().nbytes for p in sharded.parameters() if p.grad is not None))
             before_step_file = rss_file()
             opt_start = time.perf_counter()
             with Sampler() as step_mem:
                 opt.step()
             opt_s = time.perf_counter() - opt_start
             if watch:
-                mem.mark("opt.step() done")
+                mem.mark("zero_grad()")
             opt.zero_grad(set_to_none=True)
             if watch:
-                mem.mark("zero_grad done")
+                mem.mark("after zero_grad()")
             if args.release_pages and sharded.offload_store is not None:
                 sharded.offload_store.release_pages()
             dist.barrier()
@@ -357,8 +358,9 @@ if rank == 0:
     if runs["disk"]["timeline"]:
         marks = list(runs["disk"]["timeline"].items())
         top = max(range(len(marks)), key=lambda i: marks[i][1][0])
-        lines += ["", f"Rank 0's RssAnon through the last step: the peak while each part ran (the forward's units in one "
-                  f"row; of the backward, every 8th unit, the first and last two and those around the step's peak, at "
+        lines += ["", f"Rank 0's RssAnon through the last step: the peak from the start of each part to the start of the "
+                  f"next (a unit's part begins at its forward or backward pre-hook; the forward's units in one row; of the "
+                  f"backward, every 8th unit, the first and last two and those around the step's peak, at "
                   f"'{marks[top][0]}'), beside the gradient shards alive when the part began. The hooks that mark the "
                   f"parts run inside the step: take times from a run without --timeline.", "",
                   "| part | peak RssAnon GiB | gradient shards alive GiB |", "|---|---|---|"]
@@ -373,7 +375,7 @@ if rank == 0:
                 if at % 8 == 0 or at < 2 or at >= len(backward) - 2 or abs(i - top) <= 1:
                     lines.append(f"| {k} | {peak / GiB:.2f} | {alive / GiB:.2f} |")
             else:
-                lines.append(f"| {k} | {peak / GiB:.2f} | {alive / GiB:.2f} |" if k == "backward done" else f"| {k} | {peak / GiB:.2f} | - |")
+                lines.append(f"| {k} | {peak / GiB:.2f} | {alive / GiB:.2f} |" if k == "opt.step()" else f"| {k} | {peak / GiB:.2f} | - |")
     lines += [
         "",
         f"Estimator (`shardwrap.estimate.offload_formula`, this model's units, stage 3, disk): model-state RAM per rank "

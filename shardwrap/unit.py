@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -301,6 +302,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
         self._backward_uses = 0  # forward calls whose outputs await a gradient (see _views_done)
+        self._uncounted_calls = 0  # training calls under no_grad (a reentrant checkpoint's first pass) since the last backward
         self._data = DataState.SHARDED  # the stored state; ``data_state`` adds staleness
         self._grad = GradState.NONE
         self._gather: _Gather | None = None  # while GATHERING
@@ -600,9 +602,12 @@ class Unit:
         pre_backward hook; stage 3 reshards."""
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
-                # a reentrant checkpoint's inner backward will run through these views: count the
-                # call, so that a unit called twice in the region stays gathered until both are done
+            if self._uncounted_calls and torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+                # A reentrant checkpoint recomputes calls its first pass made under no_grad, and its
+                # inner backward runs through these views: count the call, so a unit called twice
+                # in the region stays gathered until both are done. A non-reentrant recomputation
+                # repeats calls already counted, whose views no backward runs through: not counted.
+                self._uncounted_calls -= 1
                 self._backward_uses += 1
             return output
         if self._reentered:  # an inner call ended; the outer one still runs
@@ -616,6 +621,8 @@ class Unit:
             self._backward_uses += 1
             root.schedule.record_post_forward(self)
             root.expect_backward = True
+        elif module.training and not torch.is_grad_enabled():
+            self._uncounted_calls += 1
         # Backward gathers the root first and then the unit that ended the forward: resharding
         # them here would only gather them again at once (design/notes/prefetch.md).
         backward_next = wants_grad and module.training and (self.index == 0 or root.schedule.ended_last_forward(self))
@@ -710,7 +717,7 @@ class Unit:
 
     def end_backward(self) -> None:
         """The end of backward: forward calls whose outputs got no gradient are not waited for."""
-        self._backward_uses = 0
+        self._backward_uses = self._uncounted_calls = 0
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -879,7 +886,7 @@ class Unit:
             collectives.wait(reduction.replica_work)
         self._packed = None
         self._reentered = 0
-        self._backward_uses = 0
+        self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used = [], [False] * len(self._grad_used)
         leaf = self.unsharded_trainable
@@ -1105,10 +1112,13 @@ class Unit:
 
         Not when a gradient must be added into an existing ``p.grad`` (the host would block
         mid-backward on a collective), nor for hybrid sharding (its all-reduce over replicas
-        starts in a fixed order) or a rank whose backward did not reach the unit (its used-flag
-        is read on the host) (design/notes/offload.md, "Copies on a GPU")."""
+        starts in a fixed order), a rank whose backward did not reach the unit (its used-flag is
+        read on the host), or under ``TORCH_NCCL_BLOCKING_WAIT`` (the wait would block the host)
+        (design/notes/offload.md, "Copies on a GPU")."""
         r = self._reduction
         if self.store is None or self.device.type != "cuda" or r is None or not r.used_here or self.replicate_group is not None:
+            return False
+        if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
             return False
         if any(p.grad is not None for p in self.sharded_params[: self.layout.num_trainable]):
             return False

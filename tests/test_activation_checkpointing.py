@@ -269,3 +269,39 @@ def test_reference_checkpointing_recomputes_and_changes_nothing():
         assert list(got) == list(hf_plain), variant
         for name, value in hf_plain.items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{variant} '{name}': {m}")
+
+
+def states_at_flat_gradient(case: Case) -> list[str]:
+    """Runs on every rank: one step; per unit post_backward (its flat gradient is complete), the
+    unit's data state at that moment, in backward order."""
+    from shardwrap import ShardedModule
+    from shardwrap.unit import Unit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
+    seen: list[str] = []
+    original = Unit.post_backward
+
+    def recording(unit: Unit) -> None:
+        if unit.index > 0:  # the blocks; the root stays gathered for the head by design
+            seen.append(f"{unit.name}: {unit.data_state.name}")
+        original(unit)
+
+    Unit.post_backward = recording  # type: ignore[method-assign]
+    try:
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, 0).items()}
+        loss_fn(case, model, batch).backward()
+    finally:
+        Unit.post_backward = original  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["fn_non_reentrant", "twice_non_reentrant", "fn_reentrant", "twice_reentrant"])
+def test_a_unit_reshards_before_its_flat_gradient(variant):
+    """Stage 3 frees a unit's parameters once the last forward call's views are done in backward,
+    before autograd allocates the flat gradient (``Unit._views_done``). Recomputations must keep
+    that: a reentrant one counts the calls it recomputes (a unit called twice stays gathered until
+    both are done), and a non-reentrant one, whose views no backward runs through, counts none."""
+    seen = run_on_ranks(WORLD, states_at_flat_gradient, make_case(variant, 3), timeout=TIMEOUT)
+    for rank_seen in seen:
+        assert len(rank_seen) >= 3 and all(s.endswith(": SHARDED") for s in rank_seen), rank_seen

@@ -40,6 +40,7 @@ p.add_argument("--release-pages", action="store_true")
 p.add_argument("--no-page-by-unit", action="store_true",
                help="keep each unit's file pages during the optimizer step (shardwrap.offload.PAGE_BY_UNIT = False)")
 p.add_argument("--no-spares", action="store_true", help="free every unsharded buffer at once (shardwrap.spare.REUSE = False)")
+p.add_argument("--no-trim", action="store_true", help="keep glibc's free heap pages (shardwrap.spare.TRIM = False)")
 p.add_argument("--tag", default="", help="appended to the result files' names")
 p.add_argument("--dd-mib", type=int, default=2048, help="size of the dd bandwidth probe (0: skip)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -63,6 +64,7 @@ import shardwrap.spare
 
 shardwrap.offload.PAGE_BY_UNIT = not args.no_page_by_unit
 shardwrap.spare.REUSE = not args.no_spares
+shardwrap.spare.TRIM = not args.no_trim
 
 SIZES = {"xl": (48, 1600, 25), "medium": (24, 1024, 16), "small": (4, 256, 4)}  # blocks, width, heads
 VOCAB = 50257
@@ -200,8 +202,8 @@ def train(offload: Offload | None, label: str) -> dict:
     with torch.device("meta"):
         model = GPT(n_layer, d, heads)
     psi = sum(p.numel() for p in model.parameters())
-    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if unit_policy(m)]
-    units.append(psi - sum(units))  # the root unit: what no policy unit took
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if unit_policy(m)]  # forward order
+    units.insert(0, psi - sum(units))  # the root unit, first: what no policy unit took
     start = time.perf_counter()
     with Sampler() as wrap_mem:
         sharded = ShardedModule(model, auto_wrap_policy=unit_policy, stage=3, offload=offload)
@@ -379,8 +381,9 @@ if rank == 0:
     lines += [
         "",
         f"Estimator (`shardwrap.estimate.offload_formula`, this model's units, stage 3, disk): model-state RAM per rank "
-        f"{offloaded['cpu_only_ram'] / GiB:.2f} GiB (gradient shards {offloaded['host'] / GiB:.2f}, unsharded working set "
-        f"{offloaded['device'] / GiB:.2f}) and {offloaded['disk'] / GiB:.2f} GiB of files; with each rank's RssAnon before "
+        f"{offloaded['cpu_only_ram'] / GiB:.2f} GiB at the backward's peak (the gradient shards then alive beside the "
+        f"running unit's working set; all the gradient shards: {offloaded['host'] / GiB:.2f}) and "
+        f"{offloaded['disk'] / GiB:.2f} GiB of files; with each rank's RssAnon before "
         f"the model added: " + ", ".join(f"rank {r} {(offloaded['cpu_only_ram'] + b) / GiB:.2f} GiB" for r, b in enumerate(baselines))
         + ". Measured peak RssAnon over the steps: " + ", ".join(
             f"rank {r} {pk / GiB:.2f} GiB ({pk / (offloaded['cpu_only_ram'] + b) - 1:+.1%})" for r, (pk, b) in enumerate(zip(peaks, baselines))),

@@ -47,8 +47,10 @@ by where it lives, per rank (``offload_formula``):
 - disk: ``disk`` only, the master shard and AdamW's two states in files (4 + 8 bytes per
   parameter / W), mapped into memory as file-backed pages that the kernel writes back and drops.
 
-A CPU-only run computes in host RAM, so there device and host add up (the column "CPU-only run:
-RAM"). With ``--simulate`` the wrap is given ``Offload("cpu")`` whatever the kind: the disk store
+A CPU-only run computes in host RAM (the column "CPU-only run: RAM"). At stages 1 and 2 device
+and host add up there. At stage 3 the two peak at different moments (the working set of the unit
+that runs, the gradient shards of the units done), so the column walks the backward unit by unit
+and keeps the largest sum (``_stage3_backward_peak``; the units in forward order, root first). With ``--simulate`` the wrap is given ``Offload("cpu")`` whatever the kind: the disk store
 would write every master shard to files (GiBs for a large model) and its shards have the same
 layout, so the disk bytes come from the simulated shard sizes. With ``disk`` the estimator also
 says whether the same run without offload fits in this machine's memory, all ranks on it
@@ -187,14 +189,16 @@ OFFLOAD_KINDS = ("none", "cpu", "disk")
 
 
 def _offload_rows(
-    kind: str, p: int, max_unsharded: int, units: list[tuple[float, float, float]], *,
+    kind: str, p: int, max_unsharded: int, units: list[tuple[float, float, float, float]], *,
     unsharded: float, trainable: float, master: float, grad_shards: float, optim: float,
 ) -> dict[int, dict[str, float]]:
     """Bytes per rank for stages 1-3 with offload ``kind`` ("cpu" or "disk"), split by where they
-    live (the module docstring says what each place holds). ``units``: per unit, its unsharded
-    parameter elements, unsharded trainable (gradient) elements and the elements of the master shard
-    one all-gather sends; ``unsharded``/``trainable``: the sums of those over every unit; ``master``,
-    ``grad_shards``, ``optim``: bytes of fp32 master shards, fp32 gradient shards and AdamW state."""
+    live (the module docstring says what each place holds). ``units``: per unit, root first and
+    then in forward order, its unsharded parameter elements, unsharded trainable (gradient)
+    elements, the elements of the master shard one all-gather sends and the bytes of its fp32
+    gradient shard; ``unsharded``/``trainable``: the sums of the first two over every unit;
+    ``master``, ``grad_shards``, ``optim``: bytes of fp32 master shards, fp32 gradient shards and
+    AdamW state."""
     by_size = sorted(units, reverse=True)
     held = by_size[: max_unsharded + 1]  # the running unit, those gathered ahead, the enclosing root
     held_params, held_grads = p * sum(u[0] for u in held), p * sum(u[1] for u in held)
@@ -208,9 +212,37 @@ def _offload_rows(
         dev_params = p * unsharded if stage <= 2 else held_params  # stages 1-2 keep every unit unsharded
         dev_grads = p * trainable if stage == 1 else held_grads  # stage 1 keeps every unsharded grad buffer
         device = dev_params + dev_grads + staging
+        cpu_only = device + host_total
+        if stage == 3 and units:  # the working set and the gradient shards peak at different times
+            cpu_only = host_total - grad_shards + _stage3_backward_peak(p, max_unsharded, units)
         out[stage] = {"device_params": dev_params, "device_grads": dev_grads, "device_staging": staging,
-                      "device": device, **host, "host": host_total, "disk": disk, "cpu_only_ram": device + host_total}
+                      "device": device, **host, "host": host_total, "disk": disk, "cpu_only_ram": cpu_only}
     return out
+
+
+def _stage3_backward_peak(p: int, max_unsharded: int, units: list[tuple[float, float, float, float]]) -> float:
+    """The most bytes a stage-3 backward on a CPU holds at once of unsharded parameters, their
+    gradients, staged shards and fp32 gradient shards, walking the units in backward order
+    (``units`` as for ``_offload_rows``, root first). When unit k runs, alive are:
+
+    - the gradient shards of the units whose backward is done (every unit after k in forward);
+    - the flat gradient of the unit before it in backward, still in its reduce-scatter (one in flight);
+    - its own parameters and gradient: p (n + t) (it reshards before autograd allocates its flat
+      gradient, so the parameters and the flat gradient never coexist; the gradients per
+      parameter and the flat one do, for the length of a copy);
+    - the ``max_unsharded - 1`` units gathered ahead in backward order, with their staged shards;
+    - the root's parameters and gradients (gathered from its forward to the end of its backward).
+
+    The root's own backward comes last, beside every other unit's gradient shard; after it, all
+    the gradient shards. design/notes/offload.md ("Anonymous memory against the estimator")."""
+    (n0, t0, _, _), order = units[0], units[:0:-1]
+    root = p * (n0 + t0)
+    done = in_flight = peak = 0.0
+    for i, (n, t, _, g) in enumerate(order):
+        ahead = sum(p * (a[0] + a[2]) for a in order[i + 1 : i + max_unsharded])
+        peak = max(peak, done + in_flight + p * (n + t) + ahead + root)
+        done, in_flight = done + g, p * t
+    return max(peak, done + in_flight + root, done + units[0][3])
 
 
 def offload_formula(
@@ -224,11 +256,13 @@ def offload_formula(
       (stages 2-3); staging p*G/W; their sum.
     - host RAM: cpu: 4 Psi/W master + 4 Psi/W gradient shards + 8 Psi/W AdamW; disk: 4 Psi/W.
     - disk: disk: 4 Psi/W + 8 Psi/W; cpu: 0.
-    - cpu_only_ram: device + host RAM (a CPU-only run computes in host RAM).
+    - cpu_only_ram: a CPU-only run computes in host RAM: device + host RAM at stages 1-2; at stage 3
+      the backward's peak walked unit by unit (``_stage3_backward_peak``, ``units`` root first, then
+      in forward order; empty: device + host).
     """
     shard = psi / world
     return _offload_rows(
-        kind, _compute_bytes(precision), max_unsharded, [(n, n, n / world) for n in units],
+        kind, _compute_bytes(precision), max_unsharded, [(n, n, n / world, 4 * n / world) for n in units],
         unsharded=psi, trainable=psi, master=4 * shard, grad_shards=4 * shard, optim=8 * shard,
     )
 
@@ -479,7 +513,8 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
         assert all(t.device.type == "cpu" for t in stored) and model.offload_store is not None
         out["offload"] = _offload_rows(
             offload, _compute_bytes(precision), max_unsharded,
-            [(la.padded_unsharded_numel, la.padded_trainable_numel, la.shard_numel + 1) for la in layouts],
+            [(la.padded_unsharded_numel, la.padded_trainable_numel, la.shard_numel + 1, 4 * la.grad_shard_numel)
+             for la in layouts],
             unsharded=sum(la.padded_unsharded_numel for la in layouts),
             trainable=sum(la.padded_trainable_numel for la in layouts),
             master=sum(t.numel() * t.element_size() for t in stored),
@@ -957,13 +992,15 @@ def _print_offload(args: argparse.Namespace, name: str, psi: int, unit: int, est
     print(f"host RAM = anonymous memory: {host}")
     if kind == "disk":
         print("disk = this rank's files: its fp32 master shard and AdamW's two states")
-    print("CPU-only run: the device is host RAM too, so it needs device + host RAM")
+    print("CPU-only run: the device is host RAM too; stages 1-2 need device + host RAM, stage 3 the most its "
+          "backward holds at once (the gradient shards of the units done beside the running unit's working set, "
+          "walked unit by unit)" + ("" if unit else "; --params has no units, so device + host"))
     print("without offload = the total of --offload none (its stage 3 counts max_unsharded units in flight and no "
           "unsharded gradients)\n")
 
     def table(rows: dict, reference: dict | None) -> None:
         cols = ["device: unsharded params", "device: unsharded grads", "device: staged shards", "device total",
-                "host RAM", *(["disk"] if kind == "disk" else []), "CPU-only run: RAM (device + host)"]
+                "host RAM", *(["disk"] if kind == "disk" else []), "CPU-only run: RAM"]
         keys = ["device_params", "device_grads", "device_staging", "device", "host",
                 *(["disk"] if kind == "disk" else []), "cpu_only_ram"]
         if reference is not None:

@@ -66,3 +66,31 @@ class Spares:
     @property
     def kept_bytes(self) -> int:
         return sum(s.nbytes() for s in self._kept.values())
+
+
+def _find_malloc_trim():  # type: ignore[no-untyped-def]
+    """glibc's ``malloc_trim``, or None (another C library: nothing to return)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+TRIM = True  # benchmarks/offload.py --no-trim turns it off to measure what it returns
+
+
+def return_free_heap() -> None:
+    """Give glibc's free heap pages back to the kernel (``malloc_trim(0)``).
+
+    Tensors under glibc's mmap threshold (which grows to 32 MiB once a larger block was freed)
+    come from its heaps, and a freed one stays resident there unless it lay at the top of the
+    heap. In a CPU offload backward the forward's activations are freed while the gradient shards
+    (mapped separately) grow, so the free heap memory stays resident beside them at the step's
+    peak [design/notes/offload.md]."""
+    if TRIM and _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from shardwrap import collectives
 from shardwrap.offload import OffloadStore
+from shardwrap.spare import return_free_heap
 from shardwrap.flat_param import FlatLayout, ParamSlot, TensorParallel
 from shardwrap.stage import Stage
 
@@ -677,6 +678,8 @@ class Unit:
             root.start_due_reductions()
         root.schedule.unit_backward_done()
         root.prefetch_backward()
+        if self.store is not None and self.device.type == "cpu":
+            return_free_heap()  # host RAM is what offload saves: free heap pages go back now
 
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
         self.post_backward()

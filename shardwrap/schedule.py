@@ -69,6 +69,7 @@ class CollectiveSchedule:
         self.forward_trace: list[Unit] = []  # every unit forwarded this step, in order
         self.last_forward: list[Unit] = []  # the previous step's trace: the prefetch order
         self.prefetched: set[Unit] = set()  # gathered ahead of use, not used yet
+        self.gather_all_ahead = True  # stages 1-2: the first unit's pre_forward gathers every unit (phases.py turns it off)
         self._gather: list[Unit] = []
         self._gather_pos = 0
         self._reduce: list[Unit] = []
@@ -113,6 +114,19 @@ class CollectiveSchedule:
             return None
         i = order.index(unit)
         return self._take_prefetch(order[i + 1]) if i + 1 < len(order) else None
+
+    def forward_prefetch_rest(self, unit: Unit) -> list[Unit]:
+        """Every unit after ``unit`` in the previous step's forward that needs a gather, in that
+        order; they then count as prefetched. For stages that keep the parameters from forward to
+        backward (1 and 2): every unit is unsharded at the end of forward anyway, so gathering them
+        all when the forward starts raises no peak, and the ranks meet once instead of at every
+        unit (design/notes/prefetch.md, "Stages 1 and 2")."""
+        order = self.last_forward
+        if unit not in order:
+            return []
+        ahead = [u for u in order[order.index(unit) + 1 :] if u not in self.prefetched and u.needs_gather]
+        self.prefetched.update(ahead)
+        return ahead
 
     def gathers_after(self, unit: Unit) -> Unit | None:
         """The unit the forward gathers ahead when the unit after ``unit`` starts: two after it in

@@ -592,6 +592,13 @@ class Unit:
         self.training_state = TrainingState.FORWARD
         schedule.arrived(self)
         self.unshard()
+        if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1
+                and not self.stage.reshard_after_forward and torch.is_grad_enabled() and module.training):
+            rest = schedule.forward_prefetch_rest(self)
+            for unit in rest:  # every header first: one behind a gather's data would wait for it
+                unit.check_in()
+            for unit in rest:
+                unit.unshard(async_op=True, checked_in=True)
         ahead = schedule.forward_prefetch(self)
         if ahead is not None:
             ahead.unshard(async_op=True)
@@ -724,11 +731,12 @@ class Unit:
 
     # ---- data-state transitions ---------------------------------------------------------------
 
-    def unshard(self, *, async_op: bool = False) -> None:
+    def unshard(self, *, async_op: bool = False, checked_in: bool = False) -> None:
         """All-gather the flat shard into the unsharded buffer (ONE collective).
 
         SHARDED or UNSHARDED_STALE -> GATHERING -> UNSHARDED. With ``async_op`` the collective
         is only started (prefetch); the next plain ``unshard`` finishes it. UNSHARDED: nothing.
+        ``checked_in``: the caller ran ``check_in`` for this gather already.
         """
         state = self.data_state
         if state is DataState.GATHERING:
@@ -741,8 +749,8 @@ class Unit:
         if not layout.slots:
             self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
             return
-        if self.device.type == "cpu" and W > 1:
-            self._check_in_step()
+        if not checked_in:
+            self.check_in()
         if self.store is not None and self.store.kind == "disk":
             # The next units' master shards start coming from disk while this rank computes
             # (design/notes/offload.md, "Reading ahead"); wrap order is the usual forward order.
@@ -818,6 +826,12 @@ class Unit:
         root = self._root
         phase = "backward" if root.in_backward() else "forward"
         return f"the {collective} of unit '{self.name}' in {phase} of step {root.steps_done + 1}"
+
+    def check_in(self) -> None:
+        """The header exchange that precedes this unit's next data all-gather, where it has one
+        (a CPU group of more than one rank, a unit with parameters)."""
+        if self.needs_gather and self.layout.slots and self.device.type == "cpu" and self.world_size > 1:
+            self._check_in_step()
 
     def _check_in_step(self) -> None:
         """Before the data all-gather, one 16-byte all-gather of (phase, unit index): if a peer

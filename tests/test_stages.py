@@ -98,26 +98,50 @@ def test_execution_order_change_between_steps_stays_correct(max_unsharded):
     check_parity(Case("flip_mlp", {"dim": 16, "depth": 3}, policy="Block", steps=4, max_unsharded=max_unsharded), 2)
 
 
-def on_ranks_prefetch(max_unsharded: int) -> list:
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_gather_every_unit_at_once_and_stay_correct_when_the_order_changes(stage):
+    check_parity(Case("flip_mlp", {"dim": 16, "depth": 3}, policy="Block", steps=4, stage=stage), 2)
+    every, one = [["blocks.1", "blocks.2"], ["blocks.2"], []], [["blocks.1"], ["blocks.2"], []]
+    for seen in run_on_ranks(2, on_ranks_prefetch, 2, stage):
+        # the first block's pre_forward started every later block's gather; each block then finds
+        # the rest gathered ahead. The first step has no trace, so nothing is gathered ahead (stage
+        # 1 holds every unit gathered from construction until the first optimizer step)
+        assert [ahead for step, ahead in seen if step > 0] == every * 2, seen
+        assert [ahead for step, ahead in seen if step == 0] == (every if stage == 1 else [[]] * 3), seen
+    for seen in run_on_ranks(2, on_ranks_prefetch, 1, stage):  # max_unsharded=1: no prefetch at all
+        assert all(ahead == [] for step, ahead in seen if step > 0), seen
+    for seen in run_on_ranks(2, on_ranks_prefetch, 2, stage, False):  # the old schedule: one ahead
+        assert [ahead for step, ahead in seen if step > 0] == one * 2, seen
+
+
+def on_ranks_prefetch(max_unsharded: int, stage: int = 3, all_ahead: bool = True) -> list:
     from shardwrap import ShardedModule
     from shardwrap.unit import DataState, TrainingState
 
-    model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, max_unsharded=max_unsharded)
+    model = ShardedModule(build_model(MLP), auto_wrap_policy={models.Block}, max_unsharded=max_unsharded, stage=stage)
+    model.schedule.gather_all_ahead = all_ahead
     seen = []
+    started: set[str] = set()  # this step's blocks so far (stages 1-2 keep them gathered after use)
 
     def probe(module, args):
+        started.add(next(h.name for h in model.units if h.training_state is TrainingState.FORWARD and h.index > 0))
         ahead = [
             h.name
             for h in model.units
             if h.training_state is TrainingState.IDLE and h.data_state in (DataState.GATHERING, DataState.UNSHARDED)
+            and h.name not in started
         ]
         seen.append((step, ahead))
 
     for block in model.module.blocks:
         block.register_forward_pre_hook(probe)  # runs after shardwrap's pre_forward
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # stage 1 gathers again after a step
     for step in range(3):
+        started.clear()
         x = global_batch(MLP, step)["x"].chunk(dist.get_world_size())[dist.get_rank()]
         model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
     return seen
 
 

@@ -234,7 +234,9 @@ def _stage3_backward_peak(p: int, max_unsharded: int, units: list[tuple[float, f
     - the root's parameters and gradients (gathered from its forward to the end of its backward).
 
     The root's own backward comes last, beside every other unit's gradient shard; after it, all
-    the gradient shards. design/notes/offload.md ("Anonymous memory against the estimator")."""
+    the gradient shards. It assumes each step starts with no gradient (``zero_grad()`` with
+    ``set_to_none``, torch's default); accumulating over several backwards keeps every shard from
+    the start. design/notes/offload.md ("Anonymous memory against the estimator")."""
     (n0, t0, _, _), order = units[0], units[:0:-1]
     root = p * (n0 + t0)
     done = in_flight = peak = 0.0

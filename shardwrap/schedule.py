@@ -40,12 +40,14 @@ OUT_OF_STEP_HINT = (
 
 
 def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> str:
-    """What a peer's small exchange says it is, in words."""
-    name = unit_names[value] if unit_names is not None and 0 <= value < len(unit_names) else f"#{value}"
-    if kind == collectives.HEADER_FORWARD:
-        return f"all-gather of unit '{name}' in forward"
-    if kind == collectives.HEADER_BACKWARD:
-        return f"all-gather of unit '{name}' in backward"
+    """What a peer's small exchange says it is, in words. A gather header's value is the unit's
+    index plus, from bit 32 up, how many gathers that rank started together (stage 2's forward)."""
+    if kind in (collectives.HEADER_FORWARD, collectives.HEADER_BACKWARD):
+        index, together = value & 0xFFFFFFFF, value >> 32
+        name = unit_names[index] if unit_names is not None and index < len(unit_names) else f"#{index}"
+        phase = "forward" if kind == collectives.HEADER_FORWARD else "backward"
+        started = f" (one of {together} gathers started together)" if together else ""
+        return f"all-gather of unit '{name}' in {phase}{started}"
     if kind == collectives.HEADER_COUNTS:
         return "a reduce-scatter count exchange in backward"
     return f"an unknown exchange ({kind}, {value})"
@@ -69,7 +71,7 @@ class CollectiveSchedule:
         self.forward_trace: list[Unit] = []  # every unit forwarded this step, in order
         self.last_forward: list[Unit] = []  # the previous step's trace: the prefetch order
         self.prefetched: set[Unit] = set()  # gathered ahead of use, not used yet
-        self.gather_all_ahead = True  # stages 1-2: the first unit's pre_forward gathers every unit (phases.py turns it off)
+        self.gather_all_ahead = True  # stage 2 on a CPU: the first unit's pre_forward gathers every unit (phases.py turns it off)
         self._gather: list[Unit] = []
         self._gather_pos = 0
         self._reduce: list[Unit] = []
@@ -117,10 +119,10 @@ class CollectiveSchedule:
 
     def forward_prefetch_rest(self, unit: Unit) -> list[Unit]:
         """Every unit after ``unit`` in the previous step's forward that needs a gather, in that
-        order; they then count as prefetched. For stages that keep the parameters from forward to
-        backward (1 and 2): every unit is unsharded at the end of forward anyway, so gathering them
-        all when the forward starts raises no peak, and the ranks meet once instead of at every
-        unit (design/notes/prefetch.md, "Stages 1 and 2")."""
+        order; they then count as prefetched. Stage 2 on a CPU keeps every unit's parameters from
+        its forward to its backward, so every unit is gathered at the end of the forward anyway:
+        gathering them all when the forward starts adds nothing to the step's peak, and the ranks
+        meet once instead of at every unit (design/notes/prefetch.md, "Stage 2 on a CPU")."""
         order = self.last_forward
         if unit not in order:
             return []

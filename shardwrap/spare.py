@@ -69,12 +69,13 @@ class Spares:
 
 
 def _find_malloc_trim():  # type: ignore[no-untyped-def]
-    """glibc's ``malloc_trim``, or None (another C library: nothing to return)."""
-    import ctypes
-
+    """glibc's ``malloc_trim``, or None (another C library, or no C library to load: nothing to
+    return). Never raises: ``import shardwrap`` must work everywhere."""
     try:
+        import ctypes
+
         trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
+    except Exception:  # AttributeError (no such symbol), OSError, TypeError (Windows: CDLL(None))
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim

@@ -592,11 +592,13 @@ class Unit:
         self.training_state = TrainingState.FORWARD
         schedule.arrived(self)
         self.unshard()
-        if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1
-                and not self.stage.reshard_after_forward and torch.is_grad_enabled() and module.training):
+        if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1 and self.device.type == "cpu"
+                and self.store is None and not self.stage.reshard_after_forward and self.stage.reshard_after_backward
+                and torch.is_grad_enabled() and module.training):
+            # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
             for unit in rest:  # every header first: one behind a gather's data would wait for it
-                unit.check_in()
+                unit.check_in(together=len(rest))
             for unit in rest:
                 unit.unshard(async_op=True, checked_in=True)
         ahead = schedule.forward_prefetch(self)
@@ -827,19 +829,22 @@ class Unit:
         phase = "backward" if root.in_backward() else "forward"
         return f"the {collective} of unit '{self.name}' in {phase} of step {root.steps_done + 1}"
 
-    def check_in(self) -> None:
+    def check_in(self, together: int = 0) -> None:
         """The header exchange that precedes this unit's next data all-gather, where it has one
-        (a CPU group of more than one rank, a unit with parameters)."""
+        (a CPU group of more than one rank, a unit with parameters). ``together``: the number of
+        gathers whose headers all go before their data (0: this one alone)."""
         if self.needs_gather and self.layout.slots and self.device.type == "cpu" and self.world_size > 1:
-            self._check_in_step()
+            self._check_in_step(together)
 
-    def _check_in_step(self) -> None:
-        """Before the data all-gather, one 16-byte all-gather of (phase, unit index): if a peer
-        is at another unit, another phase, or a count exchange, every rank raises here instead
-        of gloo aborting on a size mismatch (design/notes/rank-agreement.md). CPU only."""
+    def _check_in_step(self, together: int = 0) -> None:
+        """Before the data all-gather, one 16-byte all-gather of (phase, unit index, and the
+        number of gathers started together): if a peer is at another unit, another phase, a count
+        exchange, or starts another number of gathers at once, every rank raises here instead of
+        gloo aborting on a size mismatch (design/notes/rank-agreement.md). CPU only."""
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
-        rows = collectives.all_gather_ints([kind, self.index], self.group, what=self._where("all-gather"), kind="headers")
-        if any(row != [kind, self.index] for row in rows):
+        mine = [kind, self.index + (together << 32)]
+        rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
+        if any(row != mine for row in rows):
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
 
             seen = ", ".join(f"rank {r}: {header_text(k, v, list(self._unit_names))}" for r, (k, v) in enumerate(rows))

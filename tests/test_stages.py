@@ -99,14 +99,17 @@ def test_execution_order_change_between_steps_stays_correct(max_unsharded):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_stages_1_and_2_gather_every_unit_at_once_and_stay_correct_when_the_order_changes(stage):
+def test_stage_2_gathers_every_unit_at_once_and_both_stay_correct_when_the_order_changes(stage):
+    """Stage 2 on a CPU gathers every unit when a training forward starts (its units stay gathered
+    until backward anyway); stage 1, whose gathers land in a buffer beside the unsharded one it
+    keeps, and ``max_unsharded=1`` keep the old schedule (design/notes/prefetch.md)."""
     check_parity(Case("flip_mlp", {"dim": 16, "depth": 3}, policy="Block", steps=4, stage=stage), 2)
     every, one = [["blocks.1", "blocks.2"], ["blocks.2"], []], [["blocks.1"], ["blocks.2"], []]
     for seen in run_on_ranks(2, on_ranks_prefetch, 2, stage):
-        # the first block's pre_forward started every later block's gather; each block then finds
-        # the rest gathered ahead. The first step has no trace, so nothing is gathered ahead (stage
-        # 1 holds every unit gathered from construction until the first optimizer step)
-        assert [ahead for step, ahead in seen if step > 0] == every * 2, seen
+        # stage 2: the first block's pre_forward started every later block's gather; each block
+        # then finds the rest gathered ahead. The first step has no trace, so nothing is gathered
+        # ahead (stage 1 holds every unit gathered from construction until the first step)
+        assert [ahead for step, ahead in seen if step > 0] == (every if stage == 2 else one) * 2, seen
         assert [ahead for step, ahead in seen if step == 0] == (every if stage == 1 else [[]] * 3), seen
     for seen in run_on_ranks(2, on_ranks_prefetch, 1, stage):  # max_unsharded=1: no prefetch at all
         assert all(ahead == [] for step, ahead in seen if step > 0), seen
@@ -124,7 +127,8 @@ def on_ranks_prefetch(max_unsharded: int, stage: int = 3, all_ahead: bool = True
     started: set[str] = set()  # this step's blocks so far (stages 1-2 keep them gathered after use)
 
     def probe(module, args):
-        started.add(next(h.name for h in model.units if h.training_state is TrainingState.FORWARD and h.index > 0))
+        if stage != 3:  # stage 3 must have resharded them: they count
+            started.add(next(h.name for h in model.units if h.training_state is TrainingState.FORWARD and h.index > 0))
         ahead = [
             h.name
             for h in model.units
@@ -441,3 +445,14 @@ def test_fp16_loss_scaling_with_sharded_grad_scaler(stage):
         assert r["scales"] == [256.0, 256.0, 256.0, 128.0], r["scales"]
     for k, v in ranks[0]["state"].items():
         assert torch.isfinite(v).all(), k
+
+
+def test_a_gather_header_says_how_many_gathers_its_rank_started_together():
+    from shardwrap import collectives
+    from shardwrap.schedule import header_text
+
+    names = ["<root>", "blocks.0", "blocks.1"]
+    assert header_text(collectives.HEADER_FORWARD, 1, names) == "all-gather of unit 'blocks.0' in forward"
+    assert header_text(collectives.HEADER_FORWARD, 2 + (2 << 32), names) == (
+        "all-gather of unit 'blocks.1' in forward (one of 2 gathers started together)")
+    assert header_text(collectives.HEADER_BACKWARD, 7, names) == "all-gather of unit '#7' in backward"

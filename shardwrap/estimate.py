@@ -50,9 +50,10 @@ by where it lives, per rank (``offload_formula``):
 A CPU-only run computes in host RAM (the column "CPU-only run: RAM"). At stages 1 and 2 device
 and host add up there. At stage 3 the two peak at different moments (the working set of the unit
 that runs, the gradient shards of the units done), so the column walks the backward unit by unit
-and keeps the largest sum (``_stage3_backward_peak``; the units in forward order, root first). With ``--simulate`` the wrap is given ``Offload("cpu")`` whatever the kind: the disk store
-would write every master shard to files (GiBs for a large model) and its shards have the same
-layout, so the disk bytes come from the simulated shard sizes. With ``disk`` the estimator also
+and keeps the largest sum (``_stage3_backward_peak``; the units in forward order, root first).
+With ``--simulate`` the wrap is given ``Offload("cpu")`` whatever the kind: the disk store would
+write every master shard to files (GiBs for a large model) and its shards have the same layout,
+so the disk bytes come from the simulated shard sizes. With ``disk`` the estimator also
 says whether the same run without offload fits in this machine's memory, all ranks on it
 computing on the CPU.
 """

@@ -6,7 +6,7 @@ interleaved in one run (rank 0's medians).
 "shardwrap s3 no-header" turns off the 16-byte header all-gather before each data all-gather
 (``Unit._check_in_step``, design/notes/rank-agreement.md) to measure what that round trip costs;
 it is not a supported mode (ranks that diverge would then abort in gloo instead of raising).
-"shardwrap s1|s2 unit by unit" gathers one unit ahead in forward, as stage 3 does, instead of
+"shardwrap s2 unit by unit" gathers one unit ahead in forward, as stages 1 and 3 do, instead of
 every unit when the forward starts (``schedule.gather_all_ahead = False``; design/notes/prefetch.md).
 """
 
@@ -53,11 +53,11 @@ def wrap(impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = apply_fully_shard(model, {BLOCK}, True)
     elif impl.startswith("shardwrap s"):
         model = ShardedModule(model, auto_wrap_policy={BLOCK}, stage=int(impl.split()[1][1]))
-        if "unit by unit" in impl:  # stages 1-2 gather one unit ahead, as stage 3 does
+        if "unit by unit" in impl:  # stage 2 gathers one unit ahead, as stages 1 and 3 do
             model.schedule.gather_all_ahead = False
         if impl.endswith("no-header"):
             for unit in model.units:
-                unit._check_in_step = lambda: None  # type: ignore[method-assign]
+                unit._check_in_step = lambda together=0: None  # type: ignore[method-assign]
     else:
         p.error(f"unknown implementation {impl!r}")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)

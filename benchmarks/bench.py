@@ -40,8 +40,8 @@ p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results
 p.add_argument("--tag", default="", help="appended to the output names: bench_W{W}{tag}.md")
 p.add_argument("--compile", action="store_true", help="add 'fully_shard compiled' and 'shardwrap s3 compiled': every "
                "block .compile(fullgraph=True) before wrapping (torchtitan's recipe); their compile time is reported")
-p.add_argument("--previous", default="", metavar="REV", help="add 'previous s3': shardwrap stage 3 as of git revision "
-               "REV (e.g. the main before a change), loaded beside the current package as shardwrap_prev")
+p.add_argument("--previous", default="", metavar="REV", help="add 'previous s2' and 'previous s3': shardwrap stages 2 and 3 "
+               "as of git revision REV (e.g. the main before a change), loaded beside the current package as shardwrap_prev")
 p.add_argument("--impls", default="", help="comma-separated subset of the implementations (ddp and fully_shard always "
                "run); the '+AC' ones run on gpt2 by default and on mlp only when named here")
 args = p.parse_args()
@@ -62,7 +62,7 @@ if args.compile:
 
     torch._inductor.config.force_disable_caches = True  # compile for real each time: the compile times are the point
 if args.previous:
-    IMPLS.append("previous s3")
+    IMPLS += ["previous s2", "previous s3"]
 AC_MODELS = {"gpt2"}  # the '+AC' rows run by default only here (the MLP's activations are tiny)
 if args.impls:
     IMPLS = [i for i in IMPLS if i in {"ddp", "fully_shard", *args.impls.split(",")}]
@@ -80,7 +80,8 @@ ZERO = {  # steady-state (after the step) model-state bytes per element of Psi, 
     "shardwrap s1": lambda W: 8 + 8 / W, "shardwrap s2": lambda W: 16 / W, "shardwrap s3": lambda W: 16 / W,
     "shardwrap s3 no-prefetch": lambda W: 16 / W,
     "fsdp1 FULL_SHARD +AC": lambda W: 16 / W, "fully_shard +AC": lambda W: 16 / W, "shardwrap s3 +AC": lambda W: 16 / W,
-    "fully_shard compiled": lambda W: 16 / W, "shardwrap s3 compiled": lambda W: 16 / W, "previous s3": lambda W: 16 / W,
+    "fully_shard compiled": lambda W: 16 / W, "shardwrap s3 compiled": lambda W: 16 / W,
+    "previous s2": lambda W: 16 / W, "previous s3": lambda W: 16 / W,
 }
 
 
@@ -179,8 +180,8 @@ def wrap(impl: str, name: str):
                      device_id=torch.device("cpu"), use_orig_params=True)
     elif impl.startswith("fully_shard"):
         model = apply_fully_shard(model, units, reshard_after_forward="False" not in impl)
-    elif impl == "previous s3":
-        model = load_previous(args.previous).ShardedModule(model, auto_wrap_policy=units, stage=3)
+    elif impl.startswith("previous s"):
+        model = load_previous(args.previous).ShardedModule(model, auto_wrap_policy=units, stage=int(impl[-1]))
     else:
         stage = int(impl.split()[1][1])
         model = ShardedModule(model, auto_wrap_policy=units, stage=stage, max_unsharded=1 if "no-prefetch" in impl else 2)

@@ -144,11 +144,11 @@ def _gather_pieces(rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torc
     """Post every peer's pieces into its rows and copy this rank's own (unless already in place)."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(world) if p != me]
-    works = _exchange([(piece, p) for p in peers for piece in pieces], [(dst, p) for p in peers for dst in rows[p]], group)
+    works, sends = _exchange([(piece, p) for p in peers for piece in pieces], [(dst, p) for p in peers for dst in rows[p]], group)
     for dst, piece in zip(rows[me], pieces):
         if dst.data_ptr() != piece.data_ptr():
             dst.copy_(piece)
-    return PairwiseWork(works)
+    return PairwiseWork(works, sends=sends)
 
 
 def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup) -> "PairwiseWork":
@@ -162,7 +162,7 @@ def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[tor
         received: dict[int, list[torch.Tensor]] = {peers[0]: list(outputs)}
     else:
         received = {p: [torch.empty_like(o) for o in outputs] for p in peers}
-    works = _exchange([(piece, p) for p in peers for piece in sends[p]], [(dst, p) for p in peers for dst in received[p]], group)
+    works, posted = _exchange([(piece, p) for p in peers for piece in sends[p]], [(dst, p) for p in peers for dst in received[p]], group)
 
     def finish() -> None:
         if world == 2:
@@ -175,20 +175,29 @@ def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[tor
             for part in parts[1:]:
                 out.add_(part)
 
-    return PairwiseWork(works, finish)
+    return PairwiseWork(works, finish, sends=posted)
 
 
 class PairwiseWork:
     """A pairwise collective in flight, waited on like torch's ``Work``: ``wait()`` waits for every
-    send and receive, then runs the collective's last local step (the sum of a reduce-scatter)
-    once; later calls return at once."""
+    receive, then every send, then runs the collective's last local step (the sum of a
+    reduce-scatter) once; later calls return at once.
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
-        self._works, self._finish = works, finish
+    ``works`` are ``sends`` send works followed by the receive works. Once every receive has
+    landed, ``peers_started`` turns true: every peer has posted its part of this collective, so
+    waiting for the rest cannot wait on a peer that is blocked elsewhere (the bound on
+    reduce-scatters in flight relies on it: design/notes/collective-schedule.md)."""
+
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None, *, sends: int = 0) -> None:
+        self._works, self._finish, self._sends = works, finish, sends
+        self.peers_started = False
 
     def wait(self) -> bool:
         works, self._works = self._works, []
-        for work in works:
+        for work in works[self._sends :]:
+            work.wait()
+        self.peers_started = True
+        for work in works[: self._sends]:
             work.wait()
         finish, self._finish = self._finish, None
         if finish is not None:
@@ -209,11 +218,16 @@ def _finished_unless(async_op: bool, work: PairwiseWork) -> PairwiseWork | None:
     return None
 
 
-def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup) -> list[dist.Work]:
-    """Post every send and receive (peers as group ranks) at once; the same order on every rank."""
+def _exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup
+) -> tuple[list[dist.Work], int]:
+    """Post every send and receive (peers as group ranks) at once; the same order on every rank.
+    Returns the works and how many of the first are sends (0 where the backend coalesced them:
+    then every work counts as a receive)."""
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
-    return dist.batch_isend_irecv(ops) if ops else []
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return works, len(sends) if len(works) == len(ops) else 0
 
 
 # The first element of every small exchange on the all-gather group says what it is, so that two

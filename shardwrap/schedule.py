@@ -63,6 +63,8 @@ class CollectiveSchedule:
         self.group = group
         self.max_reduces_in_flight = max_reduces_in_flight
         self._counting = False  # exchange counts in this backward
+        self._one_count = False  # ... at the first scheduled unit only (every reduce-scatter is pairwise)
+        self._counts_issued = 0
         self._started = 0  # reduce-scatters this rank started in this backward
         self._started_everywhere = 0  # ... that every rank is known to have started
         self._exchanges: deque[tuple[collectives.Work | None, torch.Tensor]] = deque()
@@ -160,6 +162,11 @@ class CollectiveSchedule:
         self.prefetched.clear()
         self._released = False
         self._counting = sync and self.group is not None and collectives.world_size() > 1
+        # Pairwise reduce-scatters say themselves when every peer started them (their receives
+        # landed): one count exchange at the first scheduled unit then keeps the backward's
+        # sequence checked, and the rest are left out (design/notes/collective-schedule.md).
+        self._one_count = self._counting and all(u.reduces_pairwise for u in self._reduce)
+        self._counts_issued = 0
         self._started = self._started_everywhere = 0
 
     def gathers_through(self, unit: Unit) -> Iterator[Unit]:
@@ -200,7 +207,8 @@ class CollectiveSchedule:
     def _exchange_counts(self) -> None:
         """Beside each scheduled backward unit (the same sequence on every rank), tell every rank
         how many reduce-scatters this one has started (design/notes/collective-schedule.md)."""
-        if self._counting and self.group is not None:
+        if self._counting and self.group is not None and not (self._one_count and self._counts_issued):
+            self._counts_issued += 1
             self._exchanges.append(collectives.exchange_counts(self._started, self.group))
 
     def _wait_exchange(self, work: collectives.Work | None, counts: torch.Tensor) -> None:
@@ -240,7 +248,7 @@ class CollectiveSchedule:
         if len(self._in_flight) <= self.max_reduces_in_flight:
             return None
         position, oldest = self._in_flight[0]
-        if not self._started_by_everyone(position):
+        if not (oldest.reduce_started_everywhere() or self._started_by_everyone(position)):
             return None
         self._in_flight.pop(0)
         return oldest

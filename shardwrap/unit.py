@@ -1157,6 +1157,21 @@ class Unit:
         r = self._reduction
         return r is None or r.done is None or r.done()
 
+    @property
+    def reduces_pairwise(self) -> bool:
+        """Whether this unit's reduce-scatter is pairwise sends and receives (a CPU group): then
+        its own receives tell when every peer has started it. The same answer on every rank."""
+        if self._reduces_directly():
+            return True
+        W, S = self.world_size, self.layout.grad_shard_numel
+        return collectives.uses_pairwise(self.reduce_group, self.device, W * (S + 1) * self.reduce_dtype.itemsize)
+
+    def reduce_started_everywhere(self) -> bool:
+        """Whether every peer is known to have started the reduce-scatter in flight: its receives
+        have landed (pairwise only; never blocks). Waiting for the rest of it is then safe."""
+        r = self._reduction
+        return r is not None and isinstance(r.work, collectives.PairwiseWork) and r.work.peers_started
+
     def finish_shard_reduction(self) -> None:
         """Wait for the reduce-scatter over the shard axis (IN_FLIGHT stays; idempotent)."""
         self._expect_grad("finish its reduce-scatter", GradState.IN_FLIGHT)

@@ -4,6 +4,8 @@ every rank through the harness."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -431,15 +433,22 @@ def test_a_deleted_model_frees_its_shards_buffers_and_hooks():
 # ---- slow reduce-scatters: bounded where safe, never a hang ------------------------------------
 
 
-def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2) -> dict:
+def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2, pairwise: bool = True, delay: float = 0.0) -> dict:
     """Every reduce-scatter looks unfinished whenever the schedule polls it (a slow network), so
     only the bound's waits retire them before the end of backward. Records how many were in
-    flight after each one started."""
-    from shardwrap import ShardedModule
+    flight after each one started, and the count exchanges of each step.
+
+    ``pairwise``: every data collective is pairwise sends and receives (the harness's setting),
+    whose receives tell when the peers started a reduce-scatter; else torch's gloo collectives,
+    where the count exchange beside every scheduled unit tells. ``delay``: seconds each block's
+    backward takes longer (the peers' receives land before the next reduce-scatter starts)."""
+    from shardwrap import ShardedModule, collectives
     from shardwrap.unit import Unit
 
     polled, start = Unit.reduce_completed, ShardedModule._start_reduction
+    thresholds = collectives.PAIRWISE_MIN_BYTES, collectives.PIECES_MIN_BYTES
     in_flight: list[int] = []
+    counts: list[int] = []
 
     def recording_start(self, unit):
         start(self, unit)
@@ -447,28 +456,46 @@ def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2
 
     Unit.reduce_completed = lambda self: False
     ShardedModule._start_reduction = recording_start
+    if not pairwise:
+        collectives.PAIRWISE_MIN_BYTES = collectives.PIECES_MIN_BYTES = 1 << 40
     try:
         torch.manual_seed(0)
         net = AuxNet() if aux_graph else models.MLP(dim=16, depth=6)
+        if delay:
+            def slow_backward(module, args, out):
+                out.register_hook(lambda grad: time.sleep(delay))
+
+            for block in net.modules():
+                if isinstance(block, models.Block):
+                    block.register_forward_hook(slow_backward)
         model = ShardedModule(net, auto_wrap_policy={models.Block}, max_unsharded=max_unsharded)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         rank, world = dist.get_rank(), dist.get_world_size()
         for step in range(steps):
             batch = global_batch(Case("mlp"), step)
             x, y = batch["x"].chunk(world)[rank], batch["y"].chunk(world)[rank]
-            loss = aux_loss(model, x, y, rank, step) if aux_graph else ((model(x) - y) ** 2).mean()
-            loss.backward()
+            with collectives.count_collectives() as counted:
+                loss = aux_loss(model, x, y, rank, step) if aux_graph else ((model(x) - y) ** 2).mean()
+                loss.backward()
+            counts.append(counted["counts_calls"])
             opt.step()
             opt.zero_grad()
     finally:
         Unit.reduce_completed, ShardedModule._start_reduction = polled, start
-    return {"in_flight": in_flight, "state": model.full_state_dict()}
+        collectives.PAIRWISE_MIN_BYTES, collectives.PIECES_MIN_BYTES = thresholds
+    return {"in_flight": in_flight, "counts": counts, "state": model.full_state_dict()}
 
 
-def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them():
+@pytest.mark.parametrize("pairwise", [True, False])
+def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them(pairwise):
     """Same graphs on every rank: at most one reduce-scatter (one packed unit gradient) stays in
     flight until the last two units of the backward, and training matches the single-process
-    reference. Without the bound all seven units' reduce-scatters would be in flight at the end."""
+    reference. Without the bound all seven units' reduce-scatters would be in flight at the end.
+
+    Pairwise, a rank learns that its peers started a reduce-scatter when their parts of it land,
+    and nothing else is exchanged beyond the one count exchange at the backward's start; the
+    blocks' backward is slowed so that they land before the next one starts. Otherwise a count
+    exchange beside each of the seven scheduled units tells (waited for in order)."""
     steps = 2
     torch.manual_seed(0)
     reference = models.MLP(dim=16, depth=6)
@@ -478,25 +505,29 @@ def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them():
         ((reference(batch["x"]) - batch["y"]) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-    ranks = run_on_ranks(2, on_ranks_slow_reductions, False, steps, timeout=60)
+    delay = 0.1 if pairwise else 0.0
+    ranks = run_on_ranks(2, on_ranks_slow_reductions, False, steps, 2, pairwise, delay, timeout=60)
     for r in ranks:
         per_step = [r["in_flight"][i : i + 7] for i in range(0, 7 * steps, 7)]
         assert len(r["in_flight"]) == 7 * steps, r["in_flight"]
         # the counts each rank learns lag by up to two units, so the last two may pile up
         assert all(max(s[:5]) == 1 and max(s) <= 3 for s in per_step), r["in_flight"]
+        assert r["counts"] == [1 if pairwise else 7] * steps, r["counts"]
     for k, v in reference.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("pairwise", [True, False])
 @pytest.mark.parametrize("max_unsharded", [1, 2])
-def test_slow_reduce_scatters_with_graphs_that_differ_neither_hang_nor_desync(max_unsharded):
+def test_slow_reduce_scatters_with_graphs_that_differ_neither_hang_nor_desync(max_unsharded, pairwise):
     """The aux head that one rank's loss skips defers reduce-scatters on the others; the bound must
     not wait for those and the result must still match the reference. Without prefetch, rank 0
     waiting for aux's reduce-scatter would hold back the stem's all-gather the others need to
-    reach the end of backward, where they start it: a deadlock."""
+    reach the end of backward, where they start it: a deadlock. Pairwise, the receives of aux's
+    reduce-scatter from the rank that deferred it have not landed, so nothing waits for it."""
     world, steps = 3, 4
     expected = aux_reference(world, steps)
-    full = run_on_ranks(world, on_ranks_slow_reductions, True, steps, max_unsharded, timeout=60)[0]["state"]
+    full = run_on_ranks(world, on_ranks_slow_reductions, True, steps, max_unsharded, pairwise, timeout=60)[0]["state"]
     for k, v in expected.items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 

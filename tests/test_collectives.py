@@ -92,6 +92,35 @@ def test_counter_counts_the_logical_collective():
         assert counts["reduce_scatter"] == 200 and counts["all_gather"] == 100, counts
 
 
+def _peers_started(world_size: int) -> dict:
+    """Rank 0 starts a pairwise reduce-scatter at once; the others 0.5 s later. Rank 0 reads
+    ``peers_started`` while another thread waits for the work: false before the others posted
+    their parts, true once the wait returned."""
+    import threading
+    import time
+
+    rank, n = dist.get_rank(), 1000
+    if rank:
+        time.sleep(0.5)
+    out = torch.empty(n)
+    work = collectives.reduce_scatter(out, torch.full((world_size * n,), float(rank + 1)), dist.group.WORLD, async_op=True)
+    assert isinstance(work, collectives.PairwiseWork)
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    time.sleep(0.2)
+    early = work.peers_started
+    waiter.join()
+    return {"early": early, "late": work.peers_started, "sum": out.tolist() == [float(sum(range(1, world_size + 1)))] * n}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_pairwise_work_knows_when_every_peer_started_it(world):
+    """The bound on reduce-scatters in flight waits for one only when every peer started it
+    (design/notes/collective-schedule.md); a pairwise one says so once every receive landed."""
+    results = run_on_ranks(world, _peers_started, world)
+    assert results[0]["early"] is False and all(r["late"] and r["sum"] for r in results), results
+
+
 # ---- a unit's collectives as one message per peer -------------------------------------------------
 
 

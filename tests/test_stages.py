@@ -329,11 +329,14 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         assert one_pass <= sent_rs <= (psi + pad) * (W - 1) / W, (stage, sent_rs, one_pass)
         # Every byte of a step, from the layouts: each unit's all-gathers (its shard and the tag, in
         # fp32) each after a 2 x int64 header (design/notes/rank-agreement.md), its reduce-scatter
-        # (W rows of its gradient shard and the used-flag), and one 2 x int64 count exchange beside
-        # each unit backward gathers, and at the end of backward one int64 per trainable parameter:
-        # which ones got a gradient (design/notes/unused-parameters.md).
+        # (W rows of its gradient shard and the used-flag), one 2 x int64 count exchange at the
+        # first unit backward schedules (every reduce-scatter here is pairwise, and its receives
+        # say when the peers started it: design/notes/collective-schedule.md), and at the end of
+        # backward one int64 per trainable parameter: which ones got a gradient
+        # (design/notes/unused-parameters.md).
         expected = sum((4 * (S + 1) + 16) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
-        expected += 16 * len(r["layouts"]) + 8 * r["trainable_params"]
+        expected += 16 + 8 * r["trainable_params"]
+        assert c["counts_calls"] == 1, c
         assert c["bytes"] == expected, (stage, c, expected)
         assert c["grad_usage_calls"] == 1, c
         assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "headers", "grad_usage", "bytes"}, c

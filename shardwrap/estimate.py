@@ -338,7 +338,9 @@ def collectives_formula(
       2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
     - the small exchanges on CPU groups (int64, over "shard"): "headers", 2 elements before every
       data all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
-      (R S > 1) (design/notes/rank-agreement.md, collective-schedule.md); and once per synced
+      (R S > 1; on gloo, where every reduce-scatter is pairwise, beside the first only: the
+      simulation's fake group is not gloo) (design/notes/rank-agreement.md,
+      collective-schedule.md); and once per synced
       backward over every rank (R S > 1), "grad_usage", one element per trainable parameter
       (``trainable_params``): which parameters got a gradient (design/notes/unused-parameters.md).
       It runs over the world group, not one axis: it is in the counter, not in the axes' wire bytes.

@@ -337,7 +337,9 @@ def collectives_formula(
       counter), ring 2 (R - 1) / R (g + 1) p bytes sent per rank; Psi / S and
       2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
     - the small exchanges on CPU groups (int64, over "shard"): "headers", 2 elements before every
-      data all-gather (S > 1), and "counts", 2 elements beside every unit of a synced backward
+      data all-gather (S > 1; stage 2 after its first step, with the default ``max_unsharded`` and
+      no offload: before the root's and once before all the others, which start together), and
+      "counts", 2 elements beside every unit of a synced backward
       (R S > 1; on gloo, where every reduce-scatter is pairwise, beside the first only: the
       simulation's fake group is not gloo) (design/notes/rank-agreement.md,
       collective-schedule.md); and once per synced
@@ -366,7 +368,10 @@ def collectives_formula(
         "reduce_scatter": row(len(trainable), S * sum(g + tag for g in trainable), p, (S - 1) * sum(g + tag for g in trainable)),
     }
     if not ideal and S > 1:  # CPU process groups only (the simulation's)
-        shard_axis["headers"] = row(len(gathers), 2 * len(gathers), 8, 2 * (S - 1) * len(gathers))
+        # Stage 2 after its first step: the root's header, then one for every other unit's gather,
+        # started together (design/notes/prefetch.md, "Stage 2 on a CPU")
+        n = min(len(gathers), 2) if stage == 2 and not first_step else len(gathers)
+        shard_axis["headers"] = row(n, 2 * n, 8, 2 * (S - 1) * n)
     if not ideal and R * S > 1:
         shard_axis["counts"] = row(U, 2 * U, 8, 2 * (S - 1) * U)
     reduced = sum(g + tag for g in trainable)

@@ -41,12 +41,14 @@ OUT_OF_STEP_HINT = (
 
 def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> str:
     """What a peer's small exchange says it is, in words. A gather header's value is the unit's
-    index plus, from bit 32 up, how many gathers that rank started together (stage 2's forward)."""
-    if kind in (collectives.HEADER_FORWARD, collectives.HEADER_BACKWARD):
+    index plus, from bit 32 up, how many gathers that rank started together (stage 2's forward),
+    and its kind carries, from bit 8 up, a digest of those gathers' units."""
+    base = kind & 0xFF
+    if base in (collectives.HEADER_FORWARD, collectives.HEADER_BACKWARD):
         index, together = value & 0xFFFFFFFF, value >> 32
         name = unit_names[index] if unit_names is not None and index < len(unit_names) else f"#{index}"
-        phase = "forward" if kind == collectives.HEADER_FORWARD else "backward"
-        started = f" (one of {together} gathers started together)" if together else ""
+        phase = "forward" if base == collectives.HEADER_FORWARD else "backward"
+        started = f" (the first of {together} gathers started together)" if together else ""
         return f"all-gather of unit '{name}' in {phase}{started}"
     if kind == collectives.HEADER_COUNTS:
         return "a reduce-scatter count exchange in backward"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,6 +74,12 @@ class TrainingState(Enum):
 
 
 _WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-reduce-waiter")
+
+
+def _digest48(indices: Sequence[int]) -> int:
+    """A 48-bit digest of a list of unit indices: the same on every rank for the same list."""
+    data = b"".join(i.to_bytes(4, "little") for i in indices)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=6).digest(), "little")
 
 
 class _WaiterProbe:
@@ -597,8 +604,8 @@ class Unit:
                 and torch.is_grad_enabled() and module.training):
             # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
-            for unit in rest:  # every header first: one behind a gather's data would wait for it
-                unit.check_in(together=len(rest))
+            if rest:  # one header for them all, before any data: one behind a gather's data would wait for it
+                rest[0].check_in(following=rest)
             for unit in rest:
                 unit.unshard(async_op=True, checked_in=True)
         ahead = schedule.forward_prefetch(self)
@@ -829,25 +836,31 @@ class Unit:
         phase = "backward" if root.in_backward() else "forward"
         return f"the {collective} of unit '{self.name}' in {phase} of step {root.steps_done + 1}"
 
-    def check_in(self, together: int = 0) -> None:
+    def check_in(self, following: Sequence[Unit] = ()) -> None:
         """The header exchange that precedes this unit's next data all-gather, where it has one
-        (a CPU group of more than one rank, a unit with parameters). ``together``: the number of
-        gathers whose headers all go before their data (0: this one alone)."""
-        if self.needs_gather and self.layout.slots and self.device.type == "cpu" and self.world_size > 1:
-            self._check_in_step(together)
+        (a CPU group of more than one rank, a unit with parameters). ``following``: the units
+        whose gathers start together, this one first (stage 2's forward on a CPU); the one header
+        covers them all."""
+        units = following or [self]
+        if self.device.type == "cpu" and self.world_size > 1 and any(u.needs_gather and u.layout.slots for u in units):
+            self._check_in_step([u.index for u in following])
 
-    def _check_in_step(self, together: int = 0) -> None:
-        """Before the data all-gather, one 16-byte all-gather of (phase, unit index, and the
-        number of gathers started together): if a peer is at another unit, another phase, a count
-        exchange, or starts another number of gathers at once, every rank raises here instead of
-        gloo aborting on a size mismatch (design/notes/rank-agreement.md). CPU only."""
+    def _check_in_step(self, listed: Sequence[int] = ()) -> None:
+        """Before the data all-gather, one 16-byte all-gather of (phase, unit index), and for
+        gathers started together their number and a 48-bit digest of their units' indices: if a
+        peer is at another unit, another phase, a count exchange, or starts other gathers at
+        once, every rank raises here instead of gloo aborting on a size mismatch
+        (design/notes/rank-agreement.md). CPU only."""
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
-        mine = [kind, self.index + (together << 32)]
+        mine = [kind + (_digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
         rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
         if any(row != mine for row in rows):
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
 
-            seen = ", ".join(f"rank {r}: {header_text(k, v, list(self._unit_names))}" for r, (k, v) in enumerate(rows))
+            texts = [header_text(k, v, list(self._unit_names)) for k, v in rows]
+            seen = ", ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
+            if len(set(texts)) == 1:
+                seen += "; the same first unit and number on every rank, but other units after it"
             raise RuntimeError(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at {self._where('all-gather')} "
                 f"({seen}). {OUT_OF_STEP_HINT}"

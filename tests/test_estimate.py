@@ -275,6 +275,8 @@ def test_collectives_formula_at_a_hand_checkable_size():
     assert (first["calls"], first["elements"]) == (5, 39)  # the last unit is gathered again
     for stage in (1, 2):  # no gathers in backward
         assert est.collectives_formula(units, 22, mesh, "none", stage)["shard"]["all_gather"]["elements"] == 25
+    # stage 2 gathers every unit after the root at once, under one header (not in its first step)
+    assert [est.collectives_formula(units, 22, mesh, "none", 2, first_step=f)["shard"]["headers"]["calls"] for f in (False, True)] == [2, len(units)]
     bf16 = est.collectives_formula(units, 22, mesh, "bf16", 3)
     assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 69
     one = est.collectives_formula(units, 22, est.Mesh(1, 8), "none", 3)

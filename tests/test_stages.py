@@ -328,15 +328,18 @@ def test_memory_and_communication_match_the_zero_formulas(stage):
         assert passes_psi * (W - 1) / W <= sent_ag <= (passes_psi + pad * max(gathers)) * (W - 1) / W, (stage, sent_ag, one_pass)
         assert one_pass <= sent_rs <= (psi + pad) * (W - 1) / W, (stage, sent_rs, one_pass)
         # Every byte of a step, from the layouts: each unit's all-gathers (its shard and the tag, in
-        # fp32) each after a 2 x int64 header (design/notes/rank-agreement.md), its reduce-scatter
+        # fp32) after 2 x int64 headers (design/notes/rank-agreement.md), its reduce-scatter
         # (W rows of its gradient shard and the used-flag), one 2 x int64 count exchange at the
         # first unit backward schedules (every reduce-scatter here is pairwise, and its receives
         # say when the peers started it: design/notes/collective-schedule.md), and at the end of
         # backward one int64 per trainable parameter: which ones got a gradient
         # (design/notes/unused-parameters.md).
-        expected = sum((4 * (S + 1) + 16) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
-        expected += 16 + 8 * r["trainable_params"]
-        assert c["counts_calls"] == 1, c
+        # Stage 2 gathers every unit after the first when the first one's forward starts, all under
+        # one header (design/notes/prefetch.md, "Stage 2 on a CPU").
+        headers = 2 if stage == 2 else sum(gathers)
+        expected = sum(4 * (S + 1) * g + (4 * W * (G + 1) if trainable else 0) for (S, G, trainable), g in zip(r["layouts"], gathers))
+        expected += 16 * headers + 16 + 8 * r["trainable_params"]
+        assert c["counts_calls"] == 1 and c["headers_calls"] == headers, c
         assert c["bytes"] == expected, (stage, c, expected)
         assert c["grad_usage_calls"] == 1, c
         assert set(k for k in c if not k.endswith("_calls")) == {"all_gather", "reduce_scatter", "counts", "headers", "grad_usage", "bytes"}, c
@@ -450,12 +453,36 @@ def test_fp16_loss_scaling_with_sharded_grad_scaler(stage):
         assert torch.isfinite(v).all(), k
 
 
+def on_ranks_headers_of_gathers_started_together(lists: list[list[int]]) -> str | None:
+    """Rank r checks in for the gathers of ``lists[r]`` started together (stage 2's forward on a
+    CPU), as the first of those units does; returns the error, if any."""
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(models.mlp(8, 3), auto_wrap_policy={models.Block}, stage=2)
+    mine = lists[dist.get_rank()]
+    try:
+        model.units[mine[0]].check_in(following=[model.units[i] for i in mine])
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_one_header_covers_the_gathers_started_together():
+    """One header for all the gathers a stage-2 forward starts at once: ranks that start the same
+    units pass; another number of units (a rank whose list is a prefix of its peer's) or other units
+    after the same first one raise on every rank, before any data moves."""
+    assert run_on_ranks(2, on_ranks_headers_of_gathers_started_together, [[1, 2, 3], [1, 2, 3]]) == [None, None]
+    for lists, says in [([[1, 2, 3], [1, 2]], "the first of 3 gathers"), ([[1, 2, 3], [1, 3, 2]], "other units after it")]:
+        errors = run_on_ranks(2, on_ranks_headers_of_gathers_started_together, lists)
+        assert all(e and "ranks disagree on the next collective" in e and says in e for e in errors), (lists, errors)
+
+
 def test_a_gather_header_says_how_many_gathers_its_rank_started_together():
     from shardwrap import collectives
     from shardwrap.schedule import header_text
 
     names = ["<root>", "blocks.0", "blocks.1"]
     assert header_text(collectives.HEADER_FORWARD, 1, names) == "all-gather of unit 'blocks.0' in forward"
-    assert header_text(collectives.HEADER_FORWARD, 2 + (2 << 32), names) == (
-        "all-gather of unit 'blocks.1' in forward (one of 2 gathers started together)")
+    assert header_text(collectives.HEADER_FORWARD + (0xABCDEF << 8), 1 + (2 << 32), names) == (
+        "all-gather of unit 'blocks.0' in forward (the first of 2 gathers started together)")
     assert header_text(collectives.HEADER_BACKWARD, 7, names) == "all-gather of unit '#7' in backward"

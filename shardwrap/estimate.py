@@ -340,8 +340,9 @@ def collectives_formula(
       data all-gather (S > 1; stage 2 after its first step, with the default ``max_unsharded`` and
       no offload: before the root's and once before all the others, which start together), and
       "counts", 2 elements beside every unit of a synced backward
-      (R S > 1; on gloo, where every reduce-scatter is pairwise, beside the first only: the
-      simulation's fake group is not gloo) (design/notes/rank-agreement.md,
+      (R S > 1; a real gloo run whose reduce-scatters all take the pairwise path, S > 1 and each
+      at least ``collectives.PAIRWISE_MIN_BYTES`` a rank, counts only the first: these figures
+      are the simulation's, whose fake group is not gloo) (design/notes/rank-agreement.md,
       collective-schedule.md); and once per synced
       backward over every rank (R S > 1), "grad_usage", one element per trainable parameter
       (``trainable_params``): which parameters got a gradient (design/notes/unused-parameters.md).

@@ -14,7 +14,9 @@ state (design/notes/collective-schedule.md):
 * at the end of backward, whatever a rank's graph skipped is handed out anyway: the missing
   all-gathers, and reduce-scatters (of zeros where a rank has no gradient);
 * reduce-scatters in flight are bounded by waiting only for those every rank has started, which
-  ranks learn from a small all-gather beside each scheduled backward unit (CPU groups).
+  ranks learn from a small all-gather beside each scheduled backward unit (CPU groups), or, where
+  every reduce-scatter is pairwise, from its own receives (then only the first of those
+  all-gathers is issued).
 
 The schedule reads a unit's state (``grad_state``, ``data_state``, ``reduce_completed``) but
 never writes it.
@@ -174,7 +176,8 @@ class CollectiveSchedule:
     def gathers_through(self, unit: Unit) -> Iterator[Unit]:
         """Every scheduled unit up to and including ``unit`` that is not handed out yet, in
         schedule order (nothing if ``unit`` is past or outside the schedule). The caller gathers
-        each; the count exchange follows each gather."""
+        each; the count exchange follows each gather (only the first, where every reduce-scatter is
+        pairwise)."""
         if unit not in self._gather[self._gather_pos :]:
             return
         while True:
@@ -208,7 +211,8 @@ class CollectiveSchedule:
 
     def _exchange_counts(self) -> None:
         """Beside each scheduled backward unit (the same sequence on every rank), tell every rank
-        how many reduce-scatters this one has started (design/notes/collective-schedule.md)."""
+        how many reduce-scatters this one has started; where every reduce-scatter of the backward
+        is pairwise, beside the first only (design/notes/collective-schedule.md)."""
         if self._counting and self.group is not None and not (self._one_count and self._counts_issued):
             self._counts_issued += 1
             self._exchanges.append(collectives.exchange_counts(self._started, self.group))

@@ -433,15 +433,16 @@ def test_a_deleted_model_frees_its_shards_buffers_and_hooks():
 # ---- slow reduce-scatters: bounded where safe, never a hang ------------------------------------
 
 
-def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2, pairwise: bool = True, delay: float = 0.0) -> dict:
+def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2, pairwise: bool = True, slowed: bool = False) -> dict:
     """Every reduce-scatter looks unfinished whenever the schedule polls it (a slow network), so
     only the bound's waits retire them before the end of backward. Records how many were in
     flight after each one started, and the count exchanges of each step.
 
     ``pairwise``: every data collective is pairwise sends and receives (the harness's setting),
     whose receives tell when the peers started a reduce-scatter; else torch's gloo collectives,
-    where the count exchange beside every scheduled unit tells. ``delay``: seconds each block's
-    backward takes longer (the peers' receives land before the next reduce-scatter starts)."""
+    where the count exchange beside every scheduled unit tells. ``slowed``: each block's backward
+    first waits (up to 2 s) until the peers' parts of every reduce-scatter in flight have landed,
+    as on a network slower than compute."""
     from shardwrap import ShardedModule, collectives
     from shardwrap.unit import Unit
 
@@ -461,9 +462,14 @@ def on_ranks_slow_reductions(aux_graph: bool, steps: int, max_unsharded: int = 2
     try:
         torch.manual_seed(0)
         net = AuxNet() if aux_graph else models.MLP(dim=16, depth=6)
-        if delay:
+        if slowed:
+            def landed(grad):
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline and not all(u.reduce_started_everywhere() for _, u in model.schedule._in_flight):
+                    time.sleep(0.005)
+
             def slow_backward(module, args, out):
-                out.register_hook(lambda grad: time.sleep(delay))
+                out.register_hook(landed)
 
             for block in net.modules():
                 if isinstance(block, models.Block):
@@ -493,8 +499,8 @@ def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them(pairwise)
     reference. Without the bound all seven units' reduce-scatters would be in flight at the end.
 
     Pairwise, a rank learns that its peers started a reduce-scatter when their parts of it land,
-    and nothing else is exchanged beyond the one count exchange at the backward's start; the
-    blocks' backward is slowed so that they land before the next one starts. Otherwise a count
+    and nothing else is exchanged beyond the one count exchange at the backward's start; each
+    block's backward waits until they have landed, so that the next one starts after that. Otherwise a count
     exchange beside each of the seven scheduled units tells (waited for in order)."""
     steps = 2
     torch.manual_seed(0)
@@ -505,8 +511,7 @@ def test_slow_reduce_scatters_are_bounded_when_every_rank_started_them(pairwise)
         ((reference(batch["x"]) - batch["y"]) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-    delay = 0.1 if pairwise else 0.0
-    ranks = run_on_ranks(2, on_ranks_slow_reductions, False, steps, 2, pairwise, delay, timeout=60)
+    ranks = run_on_ranks(2, on_ranks_slow_reductions, False, steps, 2, pairwise, pairwise, timeout=60)
     for r in ranks:
         per_step = [r["in_flight"][i : i + 7] for i in range(0, 7 * steps, 7)]
         assert len(r["in_flight"]) == 7 * steps, r["in_flight"]

@@ -93,15 +93,16 @@ def test_counter_counts_the_logical_collective():
 
 
 def _peers_started(world_size: int) -> dict:
-    """Rank 0 starts a pairwise reduce-scatter at once; the others 0.5 s later. Rank 0 reads
-    ``peers_started`` while another thread waits for the work: false before the others posted
-    their parts, true once the wait returned."""
+    """After a barrier, rank 0 starts a pairwise reduce-scatter at once; the others 1.5 s later.
+    Rank 0 reads ``peers_started`` 0.2 s in while another thread waits for the work: false before
+    the others posted their parts, true once the wait returned."""
     import threading
     import time
 
     rank, n = dist.get_rank(), 1000
+    dist.barrier()
     if rank:
-        time.sleep(0.5)
+        time.sleep(1.5)
     out = torch.empty(n)
     work = collectives.reduce_scatter(out, torch.full((world_size * n,), float(rank + 1)), dist.group.WORLD, async_op=True)
     assert isinstance(work, collectives.PairwiseWork)

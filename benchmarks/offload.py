@@ -15,6 +15,10 @@ its verdict on the run without offload are printed beside them.
 ``--compare`` (a size that fits): the same steps in memory and with disk offload, from the same
 initial values; the parameters must end bit-identical, and the step times give the cost.
 ``--release-pages`` asks the kernel to write back and drop the mapped pages after each step.
+``--bf16`` computes in bf16 (``MixedPrecision(param_dtype=torch.bfloat16)``; the master shards
+and the state stay fp32, so the disk moves the same bytes) and ``--fused`` steps with
+``AdamW(fused=True)``, which the pager runs one unit at a time: what a DeepSpeed ZeRO-Infinity
+user runs (bf16 and its fused CPU Adam).
 Results go to benchmarks/results/offload_{size}_W{W}.md and .json.
 """
 
@@ -41,6 +45,8 @@ p.add_argument("--no-page-by-unit", action="store_true",
                help="keep each unit's file pages during the optimizer step (shardwrap.offload.PAGE_BY_UNIT = False)")
 p.add_argument("--no-spares", action="store_true", help="free every unsharded buffer at once (shardwrap.spare.REUSE = False)")
 p.add_argument("--no-trim", action="store_true", help="keep glibc's free heap pages (shardwrap.spare.TRIM = False)")
+p.add_argument("--bf16", action="store_true", help="MixedPrecision(param_dtype=torch.bfloat16): gathers, compute and reduce-scatters in bf16; fp32 master and state")
+p.add_argument("--fused", action="store_true", help="AdamW(fused=True): one kernel per unit's parameters (the pager splits it), as DeepSpeed's CPU Adam")
 p.add_argument("--tag", default="", help="appended to the result files' names")
 p.add_argument("--dd-mib", type=int, default=2048, help="size of the dd bandwidth probe (0: skip)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -58,7 +64,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwrap import Offload, ShardedModule
+from shardwrap import MixedPrecision, Offload, ShardedModule
 import shardwrap.offload
 import shardwrap.spare
 
@@ -206,9 +212,9 @@ def train(offload: Offload | None, label: str) -> dict:
     units.insert(0, psi - sum(units))  # the root unit, first: what no policy unit took
     start = time.perf_counter()
     with Sampler() as wrap_mem:
-        sharded = ShardedModule(model, auto_wrap_policy=unit_policy, stage=3, offload=offload)
+        sharded = ShardedModule(model, auto_wrap_policy=unit_policy, stage=3, offload=offload, mixed_precision=PRECISION)
     wrap_time = time.perf_counter() - start
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4, fused=args.fused or None)
     timeline: dict[str, list[int]] = {}
     watch: list[Sampler] = []  # the sampler of the step the timeline records
     if args.timeline and offload is not None and rank == 0:
@@ -239,8 +245,10 @@ def train(offload: Offload | None, label: str) -> dict:
                 mem.mark("start of the step")
             loss = sharded(ids)
             fwd_s = time.perf_counter() - start
+            usage_fwd = resource.getrusage(resource.RUSAGE_SELF)
             loss.backward()
             bwd_s = time.perf_counter() - start - fwd_s
+            usage_bwd = resource.getrusage(resource.RUSAGE_SELF)
             if watch:
                 mem.mark("opt.step()", sum(p.grad.to_local().nbytes for p in sharded.parameters() if p.grad is not None))
             before_step_file = rss_file()
@@ -259,7 +267,11 @@ def train(offload: Offload | None, label: str) -> dict:
         read1, written1 = io_bytes()
         dev1 = device_io_bytes(DEVICE)
         usage1 = resource.getrusage(resource.RUSAGE_SELF)
-        steps.append({"user_s": usage1.ru_utime - usage0.ru_utime, "sys_s": usage1.ru_stime - usage0.ru_stime,
+        phases = [usage0, usage_fwd, usage_bwd, usage1]
+        cpu = {f"{kind}_{name}": getattr(b, field) - getattr(a, field)
+               for name, a, b in zip(("fwd", "bwd", "rest"), phases, phases[1:])
+               for kind, field in (("user", "ru_utime"), ("sys", "ru_stime"), ("faults", "ru_minflt"))}
+        steps.append({**cpu, "user_s": usage1.ru_utime - usage0.ru_utime, "sys_s": usage1.ru_stime - usage0.ru_stime,
                       "faults": usage1.ru_minflt - usage0.ru_minflt + usage1.ru_majflt - usage0.ru_majflt,
                       "spares_reused": sharded.spares.reused,"fwd_s": fwd_s, "bwd_s": bwd_s, "disk_read": dev1[0] - dev0[0], "disk_written": dev1[1] - dev0[1],
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
@@ -269,7 +281,8 @@ def train(offload: Offload | None, label: str) -> dict:
         if rank == 0:
             s = steps[-1]
             print(f"{label} step {step}: {s['time_s']:.1f} s (forward {s['fwd_s']:.1f}, backward {s['bwd_s']:.1f}, "
-                  f"opt.step {s['opt_s']:.1f}; cpu user {s['user_s']:.1f} sys {s['sys_s']:.1f}, {s['faults'] / 1e6:.2f} M page faults, "
+                  f"opt.step {s['opt_s']:.1f}; cpu user {s['user_s']:.1f} sys {s['sys_s']:.1f} (user/sys forward {s['user_fwd']:.1f}/{s['sys_fwd']:.1f}, "
+                  f"backward {s['user_bwd']:.1f}/{s['sys_bwd']:.1f}, opt.step and zero_grad {s['user_rest']:.1f}/{s['sys_rest']:.1f}), {s['faults'] / 1e6:.2f} M page faults, "
                   f"{s['spares_reused']} spares reused; disk read {s['disk_read'] / GiB:.2f} GiB, written {s['disk_written'] / GiB:.2f}), peak RssAnon {s['peak_anon'] / GiB:.2f} GiB, "
                   f"read {s['read'] / GiB:.2f} GiB, written {s['written'] / GiB:.2f} GiB, loss {s['loss']:.4f}", flush=True)
     final = {n: p.detach().to_local().clone() for n, p in sharded.named_parameters()} if args.compare else {}
@@ -281,6 +294,7 @@ def train(offload: Offload | None, label: str) -> dict:
             "timeline": timeline}
 
 
+PRECISION = MixedPrecision(param_dtype=torch.bfloat16) if args.bf16 else None
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -290,7 +304,8 @@ root: str = box[0]
 os.makedirs(root, exist_ok=True)
 DEVICE = disk_of(root)
 
-dd = dd_bandwidth(root, args.dd_mib) if rank == 0 and args.dd_mib else (0.0, 0.0)
+os.sync()  # the writeback of whatever ran before must not slow the probe
+dd_before = dd_bandwidth(root, args.dd_mib) if rank == 0 and args.dd_mib else (0.0, 0.0)
 baseline_anon = rss_anon()  # torch and gloo, before any model
 runs = {"disk": train(Offload("disk", path=root), "disk")}
 if args.compare:
@@ -299,6 +314,12 @@ if args.compare:
     agreed = [False] * world
     dist.all_gather_object(agreed, same)
 
+dist.barrier()
+os.sync()
+# This virtual disk's rates move by 2x between probes minutes apart. The bound takes the faster
+# of the probes before and after the run, which is the stricter bound.
+dd_after = dd_bandwidth(root, args.dd_mib) if rank == 0 and args.dd_mib else (0.0, 0.0)
+dd = (max(dd_before[0], dd_after[0]), max(dd_before[1], dd_after[1]))
 gathered: list = [None] * world
 dist.all_gather_object(gathered, {k: {**v, "final": None} for k, v in runs.items()} | {"baseline_anon": baseline_anon})
 if rank == 0:
@@ -307,7 +328,7 @@ if rank == 0:
     psi = runs["disk"]["psi"]
     n_layer, d, _ = SIZES[args.size]
     units = runs["disk"]["units"]
-    offloaded = estimate.offload_formula(psi, units, world, "none", "disk")[3]
+    offloaded = estimate.offload_formula(psi, units, world, "bf16" if args.bf16 else "none", "disk")[3]
     plain = estimate.formula(psi, max(units), world, "none")[3]
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peaks = [max(s["peak_anon"] for s in g["disk"]["steps"]) for g in gathered]
@@ -317,7 +338,10 @@ if rank == 0:
         "",
         f"Model states in full: 16 x {psi / 1e9:.2f} B = {16 * psi / GiB:.1f} GiB, this machine's memory: "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.1f} GiB. dd on the offload disk (O_DIRECT, "
-        f"{args.dd_mib} MiB): write {dd[0] / 2**20:.0f} MiB/s, read {dd[1] / 2**20:.0f} MiB/s.",
+        f"{args.dd_mib} MiB), before the run: write {dd_before[0] / 2**20:.0f} MiB/s, read {dd_before[1] / 2**20:.0f} MiB/s; "
+        f"after it: write {dd_after[0] / 2**20:.0f} MiB/s, read {dd_after[1] / 2**20:.0f} MiB/s. "
+        f"Precision: {'bf16 (MixedPrecision(param_dtype=torch.bfloat16))' if args.bf16 else 'fp32'}; AdamW "
+        f"{'fused=True' if args.fused else 'as torch defaults it (a loop over the parameters on a CPU)'}.",
         f"Each rank's RssAnon before any model (torch, gloo): "
         + ", ".join(f"rank {r} {g['baseline_anon'] / GiB:.2f} GiB" for r, g in enumerate(gathered)),
         f"Wrap (materialize unit by unit into the files): {runs['disk']['wrap_s']:.1f} s, peak RssAnon "
@@ -343,15 +367,15 @@ if rank == 0:
             f"Where each step's time goes, and the disk ({DEVICE}) as a whole: bytes it read and wrote for both ranks and the "
             "kernel's writeback during the step, and the least time those take at dd's rates (the bound).",
             "",
-            "| run | step | time s | forward s | backward s | opt.step() s | disk read GiB | disk written GiB | bound s | time / bound |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| run | step | time s | forward s | backward s | opt.step() s | rank 0 CPU user / kernel s | disk read GiB | disk written GiB | bound s | time / bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for label in runs:
             for i in range(args.steps):
                 s = runs[label]["steps"][i]
                 bound = s["disk_read"] / dd[1] + s["disk_written"] / dd[0]
                 lines.append(
-                    f"| {label} | {i} | {s['time_s']:.1f} | {s['fwd_s']:.1f} | {s['bwd_s']:.1f} | {s['opt_s']:.1f} | "
+                    f"| {label} | {i} | {s['time_s']:.1f} | {s['fwd_s']:.1f} | {s['bwd_s']:.1f} | {s['opt_s']:.1f} | {s['user_s']:.1f} / {s['sys_s']:.1f} | "
                     f"{s['disk_read'] / GiB:.2f} | {s['disk_written'] / GiB:.2f} | {bound:.1f} | "
                     + (f"{s['time_s'] / bound:.2f} |" if bound > 0 else "- |")
                 )
@@ -398,7 +422,7 @@ if rank == 0:
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump({"dd_write": dd[0], "dd_read": dd[1], "ranks": gathered}, f, indent=1)
+        json.dump({"dd_write": dd[0], "dd_read": dd[1], "dd_before": dd_before, "dd_after": dd_after, "bf16": args.bf16, "fused": args.fused, "ranks": gathered}, f, indent=1)
 dist.barrier()
 if rank == 0 and not args.path:
     shutil.rmtree(root, ignore_errors=True)

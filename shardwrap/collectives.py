@@ -193,19 +193,34 @@ class PairwiseWork:
         self.peers_started = False
 
     def wait(self) -> bool:
+        """Every part is waited for even when one fails (a peer went away, a timeout), so no send
+        of this rank is left unwaited; then the first failure is raised and the sum is not taken."""
         works, self._works = self._works, []
-        for work in works[self._sends :]:
-            work.wait()
-        self.peers_started = True
-        for work in works[: self._sends]:
-            work.wait()
         finish, self._finish = self._finish, None
+        failure: BaseException | None = None
+        for work in works[self._sends :]:
+            failure = _wait_keeping_first(work, failure)
+        if failure is None:
+            self.peers_started = True
+        for work in works[: self._sends]:
+            failure = _wait_keeping_first(work, failure)
+        if failure is not None:
+            raise failure
         if finish is not None:
             finish()
         return True
 
     def is_completed(self) -> bool:
         return not self._works and self._finish is None
+
+
+def _wait_keeping_first(work: Any, failure: BaseException | None) -> BaseException | None:
+    """Wait for ``work``; return the earlier failure, or this one if it raised."""
+    try:
+        work.wait()
+    except Exception as exc:
+        return failure or exc
+    return failure
 
 
 Work = Union[dist.Work, PairwiseWork]  # what the data collectives return when asynchronous

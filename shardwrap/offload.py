@@ -181,16 +181,50 @@ class UnitPager(TorchDispatchMode):
         self._current: tuple[OffloadStore, int] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], list) and func.__name__.startswith("_fused_"):
+            return self._fused_unit_by_unit(func, args, kwargs)
         for arg in args:
             if not isinstance(arg, torch.Tensor):
                 continue
-            for store in DISK_STORES:
-                unit = store.unit_of(arg)
-                if unit is not None:
-                    self._move_to((store, unit))
-                    break
+            where = self._where(arg)
+            if where is not None:
+                self._move_to(where)
             break  # the first tensor operand names the parameter being updated
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _where(tensor: torch.Tensor) -> tuple[OffloadStore, int] | None:
+        for store in DISK_STORES:
+            unit = store.unit_of(tensor)
+            if unit is not None:
+                return store, unit
+        return None
+
+    def _fused_unit_by_unit(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A fused optimizer kernel (``AdamW(fused=True)``: one op updating every parameter, in
+        place) runs once per run of consecutive parameters in one unit's files, each call with
+        the same slice of every per-parameter list, so that the step pages unit by unit as the
+        per-parameter loop does. The kernel updates each parameter from its own tensors and the
+        shared scalars alone, so the slices give the bits of one call."""
+        params = args[0]
+        n = len(params)
+        runs: list[tuple[tuple[OffloadStore, int] | None, int, int]] = []
+        for i, param in enumerate(params):
+            where = self._where(param)
+            if runs and runs[-1][0] == where:
+                runs[-1] = (where, runs[-1][1], i + 1)
+            else:
+                runs.append((where, i, i + 1))
+        if len(runs) <= 1:
+            if runs and runs[0][0] is not None:
+                self._move_to(runs[0][0])
+            return func(*args, **kwargs)
+        for where, lo, hi in runs:
+            if where is not None:
+                self._move_to(where)
+            func(*[a[lo:hi] if isinstance(a, list) and len(a) == n else a for a in args], **kwargs)
+        return None
 
     def _move_to(self, where: tuple[OffloadStore, int] | None) -> None:
         if self._current is not None and where != self._current:

@@ -285,12 +285,20 @@ class CollectiveSchedule:
         return rest
 
     def end_backward(self) -> None:
-        """Wait for the count exchanges still in flight and forget this backward."""
+        """Wait for the count exchanges still in flight and forget this backward. An exchange that
+        fails does not stop the others from being waited for, nor the reset; the first failure is
+        raised after both."""
         exchanges, self._exchanges = self._exchanges, deque()
+        failure: BaseException | None = None
         for work, counts in exchanges:
-            self._wait_exchange(work, counts)
+            try:
+                self._wait_exchange(work, counts)
+            except Exception as exc:
+                failure = failure or exc
         self._counting = False
         self._in_flight = []
         self._gather, self._reduce = [], []
         self.prefetched.clear()
         self.clear()
+        if failure is not None:
+            raise failure

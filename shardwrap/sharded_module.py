@@ -1013,14 +1013,23 @@ class ShardedModule(nn.Module):
         paired), drop every gradient it left pending, reshard every unit, and start afresh
         (design/notes/rank-agreement.md)."""
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
-        for unit in self._units:
-            unit.abandon()
+        failure: BaseException | None = None
+        for unit in self._units:  # every unit is cleaned up even if a wait in one of them fails
+            try:
+                unit.abandon()
+            except Exception as exc:
+                failure = failure or exc
         self.spares.close()
         self.finish_host_copies()  # offload on a GPU: no copy lands in a gradient or reads a shard later
         self._replicas_started = 0
-        self.schedule.end_backward()  # waits for the count exchanges still in flight
+        try:
+            self.schedule.end_backward()  # waits for the count exchanges still in flight
+        except Exception as exc:
+            failure = failure or exc
         self.expect_backward = False
         self._state = TrainingState.IDLE
+        if failure is not None:
+            raise failure
         warnings.warn(
             f"rank {collectives.rank()}: the previous {phase} of this ShardedModule raised before it "
             f"finished; its pending gradients were dropped and every unit was resharded. Call "

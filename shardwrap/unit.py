@@ -812,7 +812,11 @@ class Unit:
         division in the last bit), and the copy to pinned memory is left in flight on the
         "to host" copy stream, beside the rest of the backward; the end of backward, and any
         gradient that must be added to now, wait for it (design/notes/offload.md, "Copies on a
-        GPU"). A CPU-only run copies host to host."""
+        GPU"). A CPU-only run averages the reduced shard where it is when it has the master dtype
+        (it is already host memory, and this unit's own buffer), and otherwise copies host to host."""
+        if self.device.type != "cuda" and reduced.dtype == self.dtype and reduced.device == self.shard_device:
+            _average_grad(reduced, self.world_size * self.replicas)
+            return reduced
         host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
         if self.device.type != "cuda":
             host.copy_(reduced)
@@ -907,18 +911,31 @@ class Unit:
 
         Collectives in flight are waited for, not dropped, so this rank's sequence stays paired
         with its peers'; their results are thrown away. A gradient accumulated under ``no_sync``
-        is dropped with the failed step's."""
+        is dropped with the failed step's.
+
+        A collective that failed while being waited for here (a peer went away, a timeout) does
+        not stop the cleanup: every other wait still runs and the unit still ends resharded and
+        idle; the first such failure is then raised."""
+        failure: BaseException | None = None
+
+        def wait(work: Any) -> None:
+            nonlocal failure
+            try:
+                collectives.wait(work, self._where("collectives left in flight by the failed step"))
+            except Exception as exc:
+                failure = failure or exc
+
         gather, self._gather = self._gather, None
         if gather is not None:
-            collectives.wait(gather.work)
+            wait(gather.work)
             if self.shard_in_unsharded:  # the buffer's other rows are old: gather again next time
                 self._data, self._gathered_version = DataState.UNSHARDED, -1
         reduction, self._reduction = self._reduction, None
         if reduction is not None:
             if isinstance(reduction.done, _WaiterProbe):
-                reduction.done.join()  # never wait on one Work from two threads at once
-            collectives.wait(reduction.work)
-            collectives.wait(reduction.replica_work)
+                wait(reduction.done)  # never wait on one Work from two threads at once
+            wait(reduction.work)
+            wait(reduction.replica_work)
         self._packed = None
         self._reentered = 0
         self._backward_uses = self._uncounted_calls = 0
@@ -936,6 +953,8 @@ class Unit:
             self._free_unsharded()
             self._data = DataState.SHARDED
         self.training_state = TrainingState.IDLE
+        if failure is not None:
+            raise failure
 
     def _free_unsharded(self, spare: bool = False) -> None:
         # Autograd may still hold views of this storage; emptying the storage (not dropping the

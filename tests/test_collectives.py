@@ -209,3 +209,35 @@ def test_small_collectives_use_a_device_the_group_carries():
 
 def _carrier_type() -> str:
     return collectives.carrier_device(dist.group.WORLD).type
+
+
+class _Part:
+    """One send or receive of a pairwise collective: records its wait, and fails if told to."""
+
+    def __init__(self, log: list[str], name: str, fails: bool = False) -> None:
+        self.log, self.name, self.fails = log, name, fails
+
+    def wait(self) -> bool:
+        self.log.append(self.name)
+        if self.fails:
+            raise RuntimeError(f"{self.name} failed")
+        return True
+
+
+def test_a_failed_receive_still_waits_for_every_send():
+    """A pairwise collective whose receive fails (a peer went away) waits for every other part,
+    sends included, before it raises the first failure; it never says its peers started, and the
+    sum over partial data is never taken."""
+    log: list[str] = []
+    summed = []
+    parts = [_Part(log, "send 0"), _Part(log, "send 1"), _Part(log, "recv 0", fails=True), _Part(log, "recv 1", fails=True)]
+    work = collectives.PairwiseWork(parts, lambda: summed.append(True), sends=2)
+    with pytest.raises(RuntimeError, match="recv 0 failed"):
+        work.wait()
+    assert log == ["recv 0", "recv 1", "send 0", "send 1"]
+    assert not work.peers_started and not summed
+    work.wait()  # every part was waited for: a second wait has nothing left and takes no sum
+    assert log == ["recv 0", "recv 1", "send 0", "send 1"] and not summed
+    ok = collectives.PairwiseWork([_Part(log, "send"), _Part(log, "recv")], lambda: summed.append(True), sends=1)
+    ok.wait()
+    assert ok.peers_started and summed == [True]

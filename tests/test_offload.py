@@ -294,7 +294,10 @@ def _units_paged_out_during_steps(directory: str, optim: str) -> dict:
     from shardwrap.offload import OffloadStore
 
     model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if optim == "adamw" else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if optim == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=optim == "adamw_fused")
     order = []  # each parameter's unit, in the optimizer's order, consecutive repeats merged
     for p in opt.param_groups[0]["params"]:
         index = model.unit_of(p)[0].index
@@ -321,13 +324,43 @@ def _units_paged_out_during_steps(directory: str, optim: str) -> dict:
     return {"order": order, "per_step": per_step}
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", "adamw_fused", "sgd"])
 def test_a_disk_step_pages_out_each_unit_when_it_moves_on(tmp_path, optim):
     """The step's file pages are released unit by unit as torch's per-parameter loop leaves each
     unit (``UnitPager``), the last when the step ends. AdamW's first step passes over the units
-    twice: once creating the state in the files, once updating."""
+    twice: once creating the state in the files, once updating. A fused AdamW updates every
+    parameter in one kernel; the pager runs it one unit's parameters at a time."""
     for r in run_on_ranks(2, _units_paged_out_during_steps, str(tmp_path), optim):
         order = r["order"]
         assert len(set(order)) == 4, r  # three blocks and the root (its parameters come first and last)
         twice = order + order[1:] if order[-1] == order[0] else order * 2  # a unit left and met again is one visit
-        assert r["per_step"] == [twice if optim == "adamw" else order, order], r
+        assert r["per_step"] == [order if optim == "sgd" else twice, order], r
+
+
+def _fused_adamw_on_disk_and_in_memory(directory: str) -> list[bool]:
+    """Runs on every rank: the same stage-3 model trained three steps by ``AdamW(fused=True)``,
+    once with its state in the files (the pager splits the kernel unit by unit) and once in
+    memory (one kernel over every parameter); whether each local shard came out the same."""
+    finals = []
+    for offload in (Offload("disk", path=directory), None):
+        torch.manual_seed(0)
+        model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=offload)
+        named = [(n, p) for n, p in model.named_parameters()]
+        groups = [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+            model(torch.randn(4, 16, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append([p.to_local().clone() for p in model.parameters()])
+        del model, opt
+        gc.collect()
+    return [torch.equal(a, b) for a, b in zip(*finals)]
+
+
+def test_fused_adamw_on_disk_equals_fused_adamw_in_memory(tmp_path):
+    """Splitting a fused kernel by unit gives the bits of one call over every parameter."""
+    for same in run_on_ranks(2, _fused_adamw_on_disk_and_in_memory, str(tmp_path)):
+        assert same and all(same), same

@@ -214,6 +214,78 @@ def test_a_hundred_failed_steps_leave_nothing_behind(stage):
         assert all(r.values()), r
 
 
+class _LostPeer:
+    """A collective whose wait fails the way gloo's does when the peer's process went away."""
+
+    def wait(self) -> bool:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int) -> dict:
+    """A forward raises; then, on every rank, each unit is given a reduce-scatter whose waits fail
+    (the waiter thread's and its own), as when a peer went away mid-step. The next forward cleans
+    up: it raises the lost peer, but only after every unit is idle and resharded; then a normal
+    step trains."""
+    import warnings
+
+    from shardwrap import ShardedModule
+    from shardwrap.collectives import PeerLost
+    from shardwrap.unit import DataState, GradState, TrainingState, _Reduction, _WaiterProbe
+
+    torch.manual_seed(0)
+    plain = models.mlp(8, 3)
+    plain.blocks[1].register_forward_hook(failing_hook)
+    model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),
+             "y": torch.randn(4, 5, generator=torch.Generator().manual_seed(2))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert failing_step(model, batch, "forward")
+        for unit in model.units:
+            assert unit._reduction is None
+            unit._reduction = _Reduction(_LostPeer(), torch.zeros(1), None, _WaiterProbe(_LostPeer()), True)
+            unit._grad = GradState.IN_FLIGHT
+        try:
+            model(batch["x"])
+            error = ""
+        except PeerLost as exc:
+            error = str(exc)
+        settled_data = DataState.UNSHARDED if stage == 1 else DataState.SHARDED
+        cleaned = {
+            "idle": model._state is TrainingState.IDLE and all(u.training_state is TrainingState.IDLE for u in model.units),
+            "data": all(u.data_state in (settled_data, DataState.UNSHARDED_STALE) for u in model.units),
+            "grad": all(u.grad_state is GradState.NONE for u in model.units),
+            "nothing_pending": all(u._packed is None and u._reduction is None and u._gather is None for u in model.units),
+        }
+        trained = not failing_step(model, batch, None)
+        opt.step()
+        opt.zero_grad()
+    return {"error": error, "cleaned": cleaned, "trained": trained, "full": model.full_state_dict(rank0_only=False)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cleanup_goes_on_past_a_failed_wait(stage):
+    """A wait that fails while a failed step is cleaned up (a peer went away) is raised, named,
+    after the cleanup: it never leaves a unit half cleaned, nor its sends unwaited."""
+    torch.manual_seed(0)
+    reference = models.mlp(8, 3)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    ((reference(x) - y) ** 2).mean().backward()
+    opt.step()
+    for r in run_on_ranks(2, on_ranks_cleanup_goes_on_past_a_failed_wait, stage, timeout=90):
+        assert "went away" in r["error"] and "left in flight by the failed step of unit" in r["error"], r["error"]
+        assert all(r["cleaned"].values()), r["cleaned"]
+        assert r["trained"]
+        for name, value in reference.state_dict().items():
+            assert_close_params(r["full"][name], value, "sgd", 1, name)
+
+
 # ---- part 6: divergent ranks get a named error at every stage --------------------------------
 
 EXTRA = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=3)

@@ -181,7 +181,7 @@ def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[tor
 class PairwiseWork:
     """A pairwise collective in flight, waited on like torch's ``Work``: ``wait()`` waits for every
     receive, then every send, then runs the collective's last local step (the sum of a
-    reduce-scatter) once; later calls return at once.
+    reduce-scatter) once; later calls return at once, or raise its failure again.
 
     ``works`` are ``sends`` send works followed by the receive works. Once every receive has
     landed, ``peers_started`` turns true: every peer has posted its part of this collective, so
@@ -191,36 +191,32 @@ class PairwiseWork:
     def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None, *, sends: int = 0) -> None:
         self._works, self._finish, self._sends = works, finish, sends
         self.peers_started = False
+        self._failure: BaseException | None = None
 
     def wait(self) -> bool:
-        """Every part is waited for even when one fails (a peer went away, a timeout), so no send
-        of this rank is left unwaited; then the first failure is raised and the sum is not taken."""
+        """Receives first, then sends, then the sum. A part that fails (a peer went away, a
+        timeout) ends the wait there: its sum is never taken, ``peers_started`` stays as it was,
+        and every later ``wait()`` raises the same failure, as torch's ``Work`` does. The parts
+        not waited for keep their tensors alive in their own ``Work``."""
+        if self._failure is not None:
+            raise self._failure
         works, self._works = self._works, []
         finish, self._finish = self._finish, None
-        failure: BaseException | None = None
-        for work in works[self._sends :]:
-            failure = _wait_keeping_first(work, failure)
-        if failure is None:
+        try:
+            for work in works[self._sends :]:
+                work.wait()
             self.peers_started = True
-        for work in works[: self._sends]:
-            failure = _wait_keeping_first(work, failure)
-        if failure is not None:
-            raise failure
+            for work in works[: self._sends]:
+                work.wait()
+        except Exception as exc:
+            self._failure = exc
+            raise
         if finish is not None:
             finish()
         return True
 
     def is_completed(self) -> bool:
         return not self._works and self._finish is None
-
-
-def _wait_keeping_first(work: Any, failure: BaseException | None) -> BaseException | None:
-    """Wait for ``work``; return the earlier failure, or this one if it raised."""
-    try:
-        work.wait()
-    except Exception as exc:
-        return failure or exc
-    return failure
 
 
 Work = Union[dist.Work, PairwiseWork]  # what the data collectives return when asynchronous

@@ -182,7 +182,8 @@ class UnitPager(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if args and isinstance(args[0], list) and func.__name__.startswith("_fused_"):
+        packet = func.__name__.split(".")[0]  # "_fused_adamw_" of "_fused_adamw_.default"
+        if args and isinstance(args[0], list) and packet.startswith("_fused_") and packet.endswith("_"):
             return self._fused_unit_by_unit(func, args, kwargs)
         for arg in args:
             if not isinstance(arg, torch.Tensor):
@@ -202,8 +203,9 @@ class UnitPager(TorchDispatchMode):
         return None
 
     def _fused_unit_by_unit(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """A fused optimizer kernel (``AdamW(fused=True)``: one op updating every parameter, in
-        place) runs once per run of consecutive parameters in one unit's files, each call with
+        """A fused optimizer kernel that updates in place (``AdamW(fused=True)``'s
+        ``_fused_adamw_``; not the functional ``_fused_adamw`` nor its ``out=`` form, which run
+        whole) runs once per run of consecutive parameters in one unit's files, each call with
         the same slice of every per-parameter list, so that the step pages unit by unit as the
         per-parameter loop does. The kernel updates each parameter from its own tensors and the
         shared scalars alone, so the slices give the bits of one call."""

@@ -284,13 +284,16 @@ class CollectiveSchedule:
         self._reduce_pos = len(self._reduce)
         return rest
 
-    def end_backward(self) -> None:
-        """Wait for the count exchanges still in flight and forget this backward. An exchange that
-        fails does not stop the others from being waited for, nor the reset; the first failure is
-        raised after both."""
+    def end_backward(self, wait: bool = True) -> None:
+        """Wait for the count exchanges still in flight and forget this backward. A failed wait
+        does not stop the reset; the first failure is raised after it. After a lost peer the
+        other exchanges are still waited for (they fail at once); after any other failure (a
+        timeout), or with ``wait=False``, they are not, since each could take the whole timeout."""
         exchanges, self._exchanges = self._exchanges, deque()
         failure: BaseException | None = None
         for work, counts in exchanges:
+            if not wait or (failure is not None and not collectives.lost_a_peer(failure)):
+                break
             try:
                 self._wait_exchange(work, counts)
             except Exception as exc:

@@ -1013,17 +1013,20 @@ class ShardedModule(nn.Module):
         paired), drop every gradient it left pending, reshard every unit, and start afresh
         (design/notes/rank-agreement.md)."""
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
+        # Every unit is cleaned up even if a wait in one of them fails; after a failure other than
+        # a lost peer (a timeout) nothing more is waited for (Unit.abandon).
         failure: BaseException | None = None
-        for unit in self._units:  # every unit is cleaned up even if a wait in one of them fails
+        for unit in self._units:
             try:
-                unit.abandon()
+                unit.abandon(wait=failure is None or collectives.lost_a_peer(failure))
             except Exception as exc:
                 failure = failure or exc
         self.spares.close()
         self.finish_host_copies()  # offload on a GPU: no copy lands in a gradient or reads a shard later
         self._replicas_started = 0
         try:
-            self.schedule.end_backward()  # waits for the count exchanges still in flight
+            # waits for the count exchanges still in flight
+            self.schedule.end_backward(wait=failure is None or collectives.lost_a_peer(failure))
         except Exception as exc:
             failure = failure or exc
         self.expect_backward = False

@@ -905,7 +905,7 @@ class Unit:
         self._free_unsharded(spare)
         self._data = DataState.SHARDED
 
-    def abandon(self) -> None:
+    def abandon(self, wait: bool = True) -> None:
         """Drop what a forward or backward that raised left behind: -> SHARDED (stage 1: the
         buffer stays), no gradient pending (GradState NONE unless it was settled), IDLE.
 
@@ -913,13 +913,18 @@ class Unit:
         with its peers'; their results are thrown away. A gradient accumulated under ``no_sync``
         is dropped with the failed step's.
 
-        A collective that failed while being waited for here (a peer went away, a timeout) does
-        not stop the cleanup: every other wait still runs and the unit still ends resharded and
-        idle; the first such failure is then raised."""
+        A wait that fails here does not stop the cleanup: the unit still ends resharded and
+        idle, and the first failure is raised at the end. After a lost peer the other waits
+        still run (they fail at once); after any other failure (a timeout: a peer that is alive
+        but stuck) they are skipped, since each could take the process group's whole timeout
+        again. ``wait=False`` skips them all (the caller met such a failure in another unit).
+        A skipped collective keeps its tensors alive in its own ``Work``."""
         failure: BaseException | None = None
 
-        def wait(work: Any) -> None:
+        def finish(work: Any) -> None:
             nonlocal failure
+            if not wait or (failure is not None and not collectives.lost_a_peer(failure)):
+                return
             try:
                 collectives.wait(work, self._where("collectives left in flight by the failed step"))
             except Exception as exc:
@@ -927,15 +932,16 @@ class Unit:
 
         gather, self._gather = self._gather, None
         if gather is not None:
-            wait(gather.work)
-            if self.shard_in_unsharded:  # the buffer's other rows are old: gather again next time
-                self._data, self._gathered_version = DataState.UNSHARDED, -1
+            finish(gather.work)
+        if self.shard_in_unsharded and (gather is not None or self._data is DataState.GATHERING):
+            # the buffer's other rows are old (or a failed wait left it half gathered): gather again next time
+            self._data, self._gathered_version = DataState.UNSHARDED, -1
         reduction, self._reduction = self._reduction, None
         if reduction is not None:
             if isinstance(reduction.done, _WaiterProbe):
-                wait(reduction.done)  # never wait on one Work from two threads at once
-            wait(reduction.work)
-            wait(reduction.replica_work)
+                finish(reduction.done)  # never wait on one Work from two threads at once
+            finish(reduction.work)
+            finish(reduction.replica_work)
         self._packed = None
         self._reentered = 0
         self._backward_uses = self._uncounted_calls = 0

@@ -337,8 +337,15 @@ def test_a_disk_step_pages_out_each_unit_when_it_moves_on(tmp_path, optim):
         assert r["per_step"] == [order if optim == "sgd" else twice, order], r
 
 
-def _fused_adamw_on_disk_and_in_memory(directory: str) -> list[bool]:
-    """Runs on every rank: the same stage-3 model trained three steps by ``AdamW(fused=True)``,
+FUSED = {  # torch's fused kernels (the pager splits each) with their per-parameter lists and scalars
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
+    "adamw_amsgrad": lambda groups: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, fused=True),
+    "adam_tensor_lr": lambda groups: torch.optim.Adam(groups, lr=torch.tensor(1e-2), fused=True),
+}  # not fused SGD or Adagrad: torch's DTensor has no sharding rule for them (fully_shard neither)
+
+
+def _fused_on_disk_and_in_memory(directory: str, optim: str) -> list[bool]:
+    """Runs on every rank: the same stage-3 model trained three steps by a fused optimizer,
     once with its state in the files (the pager splits the kernel unit by unit) and once in
     memory (one kernel over every parameter); whether each local shard came out the same."""
     finals = []
@@ -348,7 +355,7 @@ def _fused_adamw_on_disk_and_in_memory(directory: str) -> list[bool]:
         named = [(n, p) for n, p in model.named_parameters()]
         groups = [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
                   {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+        opt = FUSED[optim](groups)
         for step in range(3):
             g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
             model(torch.randn(4, 16, generator=g)).square().mean().backward()
@@ -360,7 +367,9 @@ def _fused_adamw_on_disk_and_in_memory(directory: str) -> list[bool]:
     return [torch.equal(a, b) for a, b in zip(*finals)]
 
 
-def test_fused_adamw_on_disk_equals_fused_adamw_in_memory(tmp_path):
-    """Splitting a fused kernel by unit gives the bits of one call over every parameter."""
-    for same in run_on_ranks(2, _fused_adamw_on_disk_and_in_memory, str(tmp_path)):
+@pytest.mark.parametrize("optim", sorted(FUSED))
+def test_a_fused_step_on_disk_equals_the_fused_step_in_memory(tmp_path, optim):
+    """Splitting a fused kernel by unit gives the bits of one call over every parameter
+    (test_a_disk_step_pages_out_each_unit_when_it_moves_on checks that it is split)."""
+    for same in run_on_ranks(2, _fused_on_disk_and_in_memory, str(tmp_path), optim):
         assert same and all(same), same

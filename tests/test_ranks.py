@@ -214,26 +214,38 @@ def test_a_hundred_failed_steps_leave_nothing_behind(stage):
         assert all(r.values()), r
 
 
+WAITED: list[str] = []  # the injected collectives' waits, in order (per process)
+
+
 class _LostPeer:
     """A collective whose wait fails the way gloo's does when the peer's process went away."""
 
     def wait(self) -> bool:
+        WAITED.append("lost")
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
     def is_completed(self) -> bool:
         return False
 
 
-def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int) -> dict:
-    """A forward raises; then, on every rank, each unit is given a reduce-scatter whose waits fail
-    (the waiter thread's and its own), as when a peer went away mid-step. The next forward cleans
-    up: it raises the lost peer, but only after every unit is idle and resharded; then a normal
-    step trains."""
+class _StuckPeer(_LostPeer):
+    """A collective whose wait fails the way gloo's does when a live peer never took part."""
+
+    def wait(self) -> bool:
+        WAITED.append("stuck")
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 1800000ms for recv operation to complete")
+
+
+def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int, kind: str) -> dict:
+    """A forward raises; then, on every rank, each unit is given a reduce-scatter whose wait fails
+    (``kind``: "lost", a peer went away, also in the waiter thread; "stuck", a timeout). The next
+    forward cleans up: it raises the failure, named, but only after every unit is idle and
+    resharded; then a normal step trains."""
     import warnings
 
     from shardwrap import ShardedModule
-    from shardwrap.collectives import PeerLost
-    from shardwrap.unit import DataState, GradState, TrainingState, _Reduction, _WaiterProbe
+    from shardwrap.collectives import CollectiveTimeout, PeerLost
+    from shardwrap.unit import DataState, GradState, TrainingState, _Gather, _Reduction, _WaiterProbe
 
     torch.manual_seed(0)
     plain = models.mlp(8, 3)
@@ -246,14 +258,25 @@ def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int) -> dict:
         warnings.simplefilter("ignore")
         assert failing_step(model, batch, "forward")
         for unit in model.units:
-            assert unit._reduction is None
-            unit._reduction = _Reduction(_LostPeer(), torch.zeros(1), None, _WaiterProbe(_LostPeer()), True)
+            assert unit._reduction is None and unit._gather is None
+            if kind == "lost":  # the waiter thread met the lost peer first, as in a real backward
+                unit._reduction = _Reduction(_LostPeer(), torch.zeros(1), None, _WaiterProbe(_LostPeer()), True)
+                unit._data = DataState.GATHERING  # as a gather whose wait raised leaves it (its _gather is gone)
+            else:  # a gather too: after its timeout the unit's own reduction is not waited for either
+                unit._gather = _Gather(_StuckPeer(), torch.zeros(1), torch.zeros(1))
+                unit._reduction = _Reduction(_StuckPeer(), torch.zeros(1), None, None, True)
             unit._grad = GradState.IN_FLIGHT
+        try:  # the waiter thread runs its waits in order: once this one is done, so are the probes'
+            _WaiterProbe(_LostPeer()).join()
+        except RuntimeError:
+            pass
+        WAITED.clear()
         try:
             model(batch["x"])
             error = ""
-        except PeerLost as exc:
-            error = str(exc)
+        except (PeerLost, CollectiveTimeout) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        waited = list(WAITED)
         settled_data = DataState.UNSHARDED if stage == 1 else DataState.SHARDED
         cleaned = {
             "idle": model._state is TrainingState.IDLE and all(u.training_state is TrainingState.IDLE for u in model.units),
@@ -264,13 +287,17 @@ def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int) -> dict:
         trained = not failing_step(model, batch, None)
         opt.step()
         opt.zero_grad()
-    return {"error": error, "cleaned": cleaned, "trained": trained, "full": model.full_state_dict(rank0_only=False)}
+    return {"error": error, "waited": waited, "units": len(model.units), "cleaned": cleaned, "trained": trained,
+            "full": model.full_state_dict(rank0_only=False)}
 
 
+@pytest.mark.parametrize("kind", ["lost", "stuck"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_cleanup_goes_on_past_a_failed_wait(stage):
-    """A wait that fails while a failed step is cleaned up (a peer went away) is raised, named,
-    after the cleanup: it never leaves a unit half cleaned, nor its sends unwaited."""
+def test_cleanup_goes_on_past_a_failed_wait(stage, kind):
+    """A wait that fails while a failed step is cleaned up is raised, named, after the cleanup:
+    it never leaves a unit half cleaned. After a lost peer every other collective is still
+    waited for (each fails at once); after a timeout none is, since each could take the whole
+    timeout again."""
     torch.manual_seed(0)
     reference = models.mlp(8, 3)
     opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
@@ -278,8 +305,10 @@ def test_cleanup_goes_on_past_a_failed_wait(stage):
     y = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
     ((reference(x) - y) ** 2).mean().backward()
     opt.step()
-    for r in run_on_ranks(2, on_ranks_cleanup_goes_on_past_a_failed_wait, stage, timeout=90):
-        assert "went away" in r["error"] and "left in flight by the failed step of unit" in r["error"], r["error"]
+    for r in run_on_ranks(2, on_ranks_cleanup_goes_on_past_a_failed_wait, stage, kind, timeout=90):
+        expected = "PeerLost" if kind == "lost" else "CollectiveTimeout"
+        assert r["error"].startswith(expected) and "left in flight by the failed step of unit" in r["error"], r["error"]
+        assert r["waited"] == (["lost"] * r["units"] if kind == "lost" else ["stuck"]), r["waited"]
         assert all(r["cleaned"].values()), r["cleaned"]
         assert r["trained"]
         for name, value in reference.state_dict().items():

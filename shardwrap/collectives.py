@@ -451,16 +451,36 @@ def default_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-_REDUCE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+class _GroupCache:
+    """Process groups shardwrap made, by rank set, for the default group they were made under.
+
+    ``destroy_process_group()`` unregisters every group, so after a new ``init_process_group``
+    (a second run in the same process: a notebook, a hyperparameter search) the old entries are
+    dead handles; the cache keeps the default group it was filled under (a strong reference, so
+    the identity cannot be reused) and starts empty under a new one.
+    """
+
+    def __init__(self) -> None:
+        self._world: dist.ProcessGroup | None = None
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def get(self, ranks: tuple[int, ...], **new_group_kwargs: Any) -> dist.ProcessGroup:
+        """The cached group over ``ranks``, made (collectively, over the default group) if absent."""
+        world = default_group()
+        if self._world is not world:
+            self._world, self._groups = world, {}
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks), **new_group_kwargs)
+        return self._groups[ranks]
+
+
+_REDUCE_GROUPS = _GroupCache()
 
 
 def reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A second process group over the same ranks, for reduce-scatters (cached per rank set):
     its own sequence lets reduce-scatters run beside all-gathers [design/notes/collective-schedule.md]."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _REDUCE_GROUPS:
-        _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
-    return _REDUCE_GROUPS[ranks]
+    return _REDUCE_GROUPS.get(tuple(dist.get_process_group_ranks(group)))
 
 
 def reduce_group_of_mesh(mesh: DeviceMesh, axis: int = -1) -> dist.ProcessGroup:
@@ -472,25 +492,21 @@ def reduce_group_of_mesh(mesh: DeviceMesh, axis: int = -1) -> dist.ProcessGroup:
     me = dist.get_rank()
     mine = None
     for ranks in rows:
-        if ranks not in _REDUCE_GROUPS:
-            _REDUCE_GROUPS[ranks] = dist.new_group(list(ranks))
+        made = _REDUCE_GROUPS.get(ranks)
         if me in ranks:
-            mine = _REDUCE_GROUPS[ranks]
+            mine = made
     assert mine is not None  # the mesh covers every rank (checked by the caller)
     return mine
 
 
-_CHECKPOINT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_CHECKPOINT_GROUPS = _GroupCache()
 
 
 def checkpoint_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo process group over the same ranks for checkpoint saves that run in the background
     (cached per rank set; every rank must call it at the same point the first time): its own
     sequence, so a save's collectives on a helper thread never interleave with training's."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
-    return _CHECKPOINT_GROUPS[ranks]
+    return _CHECKPOINT_GROUPS.get(tuple(dist.get_process_group_ranks(group)), backend="gloo")
 
 
 def init_fake_world(world: int) -> None:

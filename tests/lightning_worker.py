@@ -204,3 +204,7 @@ if __name__ == "__main__":
     out_dir, n = sys.argv[1], int(sys.argv[2])
     for scenario in sys.argv[3:]:
         run(out_dir, n, scenario)
+    # Lightning leaves its process group up; one alive at interpreter exit can end the process in
+    # SIGABRT ("terminate called without an active exception"), plain DDP included.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -188,6 +188,7 @@ try:
 except RuntimeError as e:
     print("host tensor: refused" if "No backend type associated with device type cpu" in str(e) else f"host tensor: {e}")
 print("carrier:", collectives.carrier_device(dist.group.WORLD).type)
+dist.destroy_process_group()
 """
 
 

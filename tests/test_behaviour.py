@@ -5,6 +5,7 @@ every rank through the harness."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -633,3 +634,61 @@ def test_a_second_run_after_a_new_process_group_trains_like_the_first(stage, opt
     for run in range(2):
         compare(case, 2, [r[run] for r in results], reference)
         assert all(all(r[run]["reloaded"]) and r[run]["reloaded"] for r in results)
+
+
+# ---- several wrapped models in one program -----------------------------------------------------
+
+
+def _gan_step_losses(G: nn.Module, D: nn.Module, ref: nn.Module, x: torch.Tensor) -> tuple[Any, Any]:
+    """A discriminator loss (on the generator's detached output, against a frozen reference
+    model's output under no_grad, as DPO's reference model runs) and a generator loss through D."""
+    with torch.no_grad():
+        target = ref(x)
+    d_loss = (D(G(x).detach()) - target).pow(2).mean()
+    return d_loss, lambda: D(G(x)).pow(2).mean() + G(x).mean()
+
+
+def train_gan(G: nn.Module, D: nn.Module, ref: nn.Module, optim: str, chunk: tuple[int, int] | None) -> None:
+    """Three steps, alternating: D's step (G's gradients cleared after it), then G's step through D
+    (D's gradients cleared). ``chunk=(W, rank)``: this rank's part of each global batch."""
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[optim]
+    opt_g, opt_d = make(G.parameters()), make(D.parameters())
+    for step in range(3):
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(step))
+        x = x.chunk(chunk[0])[chunk[1]] if chunk else x
+        d_loss, g_loss = _gan_step_losses(G, D, ref, x)
+        d_loss.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        opt_g.zero_grad()
+        g_loss().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+
+
+def gan_models() -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return models.mlp(16, 3, out=16), models.mlp(16, 2, out=1), models.mlp(16, 2, out=1)
+
+
+def on_ranks_gan(stage: int, optim: str) -> dict:
+    from shardwrap import ShardedModule
+
+    G, D, ref = (ShardedModule(m, auto_wrap_policy={models.Block}, stage=stage) for m in gan_models())
+    train_gan(G, D, ref, optim, (dist.get_world_size(), dist.get_rank()))
+    return {"G": G.full_state_dict(), "D": D.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage,optim", [(1, "sgd"), (2, "adamw"), (3, "sgd"), (3, "adamw")])
+def test_three_wrapped_models_train_like_one_process(stage, optim):
+    """A generator, a discriminator and a frozen reference model, each its own ShardedModule on
+    the same ranks, used in alternation (each one's collectives interleave with the others')."""
+    from parity import assert_close_params
+
+    G, D, ref = gan_models()
+    train_gan(G, D, ref, optim, None)
+    full = run_on_ranks(2, on_ranks_gan, stage, optim)[0]
+    for label, plain in (("G", G), ("D", D)):
+        for name, value in plain.state_dict().items():
+            assert_close_params(full[label][name], value, optim, 3, f"{label} '{name}'", None)

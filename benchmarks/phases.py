@@ -8,6 +8,11 @@ interleaved in one run (rank 0's medians).
 it is not a supported mode (ranks that diverge would then abort in gloo instead of raising).
 "shardwrap s2 unit by unit" gathers one unit ahead in forward, as stages 1 and 3 do, instead of
 every unit when the forward starts (``schedule.gather_all_ahead = False``; design/notes/prefetch.md).
+
+Beside the wall-clock phases it reports, per step, the process's CPU time (every thread: compute,
+gloo's I/O threads, shardwrap's waiter) and the main thread's, so a gap to DDP splits into work
+and waiting. ``--hooks`` also times shardwrap's hooks (main-thread CPU, and wall time, whose excess
+over CPU is time spent blocked in a collective or preempted), for design/notes/cpu-collectives.md.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--impls", default="fully_shard,shardwrap s3,shardwrap s3 no-header,fsdp1,ddp")
 p.add_argument("--rounds", type=int, default=8)
 p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round (after 2 warm-up)")
+p.add_argument("--hooks", action="store_true", help="also time shardwrap's hooks (CPU and wall, main thread)")
 args = p.parse_args()
 
 import torch  # noqa: E402
@@ -39,6 +45,45 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 BLOCK = models.gpt2_block_class()
+
+HOOKS = {"Unit": ("pre_forward", "post_forward", "pre_backward", "_post_accumulate_grad"),
+         "ShardedModule": ("_finish_backward",)}
+hook_times: dict[str, dict[str, list[float]]] = {}  # impl -> hook -> [cpu s, wall s] summed over timed steps
+current = {"impl": None}  # the implementation whose timed step is running (None: not timing)
+
+
+def time_hooks() -> None:
+    """Wrap shardwrap's hooks to add their main-thread CPU and wall time to ``hook_times`` (the
+    outermost hook only: one that calls another is counted once)."""
+    import functools
+
+    import shardwrap.sharded_module
+    import shardwrap.unit
+
+    depth = [0]
+    for cls in (shardwrap.unit.Unit, shardwrap.sharded_module.ShardedModule):
+        for name in HOOKS[cls.__name__]:
+            def timed(f, label=f"{cls.__name__}.{name}"):
+                @functools.wraps(f)
+                def call(*a, **k):
+                    if depth[0] or current["impl"] is None:
+                        return f(*a, **k)
+                    depth[0] += 1
+                    c, w = time.thread_time(), time.perf_counter()
+                    try:
+                        return f(*a, **k)
+                    finally:
+                        acc = hook_times.setdefault(current["impl"], {}).setdefault(label, [0.0, 0.0])
+                        acc[0] += time.thread_time() - c
+                        acc[1] += time.perf_counter() - w
+                        depth[0] -= 1
+                return call
+
+            setattr(cls, name, timed(getattr(cls, name)))
+
+
+if args.hooks:
+    time_hooks()
 
 
 def wrap(impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -70,27 +115,39 @@ def batch(step: int) -> torch.Tensor:
 
 impls = [i.strip() for i in args.impls.split(",") if i.strip()]
 built = {i: wrap(i) for i in impls}
-times: dict[str, dict[str, list[float]]] = {i: {"forward": [], "backward": [], "optimizer": [], "step": []} for i in impls}
+PHASES = ("forward", "backward", "optimizer", "step", "process CPU", "main-thread CPU")
+times: dict[str, dict[str, list[float]]] = {i: {k: [] for k in PHASES} for i in impls}
 for _ in range(args.rounds):
     for impl in impls:
         model, opt = built[impl]
         for step in range(2 + args.steps):
             x = batch(step)
             dist.barrier()
-            t0 = time.perf_counter()
+            current["impl"] = impl if step >= 2 else None
+            t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
             loss = model(input_ids=x, labels=x).loss
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
-            t3 = time.perf_counter()
+            t3, p3, c3 = time.perf_counter(), time.process_time(), time.thread_time()
+            current["impl"] = None
             if step >= 2:
-                for key, ms in zip(("forward", "backward", "optimizer", "step"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-                    times[impl][key].append(ms * 1000)
+                for key, s in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, p3 - p0, c3 - c0)):
+                    times[impl][key].append(s * 1000)
 if rank == 0:
     print(f"\nGPT-2 (4 x 256), W={world}, rank 0, median ms over {args.rounds} interleaved rounds x {args.steps} steps\n")
-    print("| implementation | forward | backward | optimizer | step |\n|---|---|---|---|---|")
+    print("| implementation | " + " | ".join(PHASES) + " |\n|---|" + "---|" * len(PHASES))
     for impl in impls:
         print(f"| {impl} | " + " | ".join(f"{statistics.median(v):.1f}" for v in times[impl].values()) + " |")
+    if hook_times:
+        timed_steps = args.rounds * args.steps
+        print(f"\nshardwrap's hooks, rank 0, ms per step (mean over {timed_steps} steps): main-thread CPU / wall\n")
+        labels = [f"{c}.{n}" for c, names in HOOKS.items() for n in names]
+        print("| implementation | " + " | ".join(labels) + " | all hooks |\n|---|" + "---|" * (len(labels) + 1))
+        for impl, per in hook_times.items():
+            cells = [per.get(label, [0.0, 0.0]) for label in labels]
+            cells.append([sum(c[0] for c in cells), sum(c[1] for c in cells)])
+            print(f"| {impl} | " + " | ".join(f"{c * 1e3 / timed_steps:.1f} / {w * 1e3 / timed_steps:.1f}" for c, w in cells) + " |")
 dist.destroy_process_group()

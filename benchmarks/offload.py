@@ -45,6 +45,8 @@ p.add_argument("--no-page-by-unit", action="store_true",
                help="keep each unit's file pages during the optimizer step (shardwrap.offload.PAGE_BY_UNIT = False)")
 p.add_argument("--no-spares", action="store_true", help="free every unsharded buffer at once (shardwrap.spare.REUSE = False)")
 p.add_argument("--no-trim", action="store_true", help="keep glibc's free heap pages (shardwrap.spare.TRIM = False)")
+p.add_argument("--no-populate", action="store_true",
+               help="let the optimizer step fault in its file pages one by one (shardwrap.offload.POPULATE = False)")
 p.add_argument("--bf16", action="store_true", help="MixedPrecision(param_dtype=torch.bfloat16): gathers, compute and reduce-scatters in bf16; fp32 master and state")
 p.add_argument("--fused", action="store_true", help="AdamW(fused=True): one kernel per unit's parameters (the pager splits it), as DeepSpeed's CPU Adam")
 p.add_argument("--tag", default="", help="appended to the result files' names")
@@ -71,6 +73,7 @@ import shardwrap.spare
 shardwrap.offload.PAGE_BY_UNIT = not args.no_page_by_unit
 shardwrap.spare.REUSE = not args.no_spares
 shardwrap.spare.TRIM = not args.no_trim
+shardwrap.offload.POPULATE = shardwrap.offload.POPULATE and not args.no_populate
 
 SIZES = {"xl": (48, 1600, 25), "medium": (24, 1024, 16), "small": (4, 256, 4)}  # blocks, width, heads
 VOCAB = 50257
@@ -341,7 +344,8 @@ if rank == 0:
         f"{args.dd_mib} MiB), before the run: write {dd_before[0] / 2**20:.0f} MiB/s, read {dd_before[1] / 2**20:.0f} MiB/s; "
         f"after it: write {dd_after[0] / 2**20:.0f} MiB/s, read {dd_after[1] / 2**20:.0f} MiB/s. "
         f"Precision: {'bf16 (MixedPrecision(param_dtype=torch.bfloat16))' if args.bf16 else 'fp32'}; AdamW "
-        f"{'fused=True' if args.fused else 'as torch defaults it (a loop over the parameters on a CPU)'}.",
+        f"{'fused=True' if args.fused else 'as torch defaults it (a loop over the parameters on a CPU)'}; "
+        f"the step's file pages {'faulted in a tensor at a time (MADV_POPULATE_WRITE)' if shardwrap.offload.POPULATE and shardwrap.offload.PAGE_BY_UNIT else 'faulted in page by page'}.",
         f"Each rank's RssAnon before any model (torch, gloo): "
         + ", ".join(f"rank {r} {g['baseline_anon'] / GiB:.2f} GiB" for r, g in enumerate(gathered)),
         f"Wrap (materialize unit by unit into the files): {runs['disk']['wrap_s']:.1f} s, peak RssAnon "

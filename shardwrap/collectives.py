@@ -11,6 +11,7 @@ The tensor functions work on flat 1-D tensors over the process group of a 1-D me
 from __future__ import annotations
 
 import pickle
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol, Sequence, Union
@@ -456,22 +457,30 @@ class _GroupCache:
 
     ``destroy_process_group()`` unregisters every group, so after a new ``init_process_group``
     (a second run in the same process: a notebook, a hyperparameter search) the old entries are
-    dead handles; the cache keeps the default group it was filled under (a strong reference, so
-    the identity cannot be reused) and starts empty under a new one.
+    dead handles. The cache holds weak references only (torch's registry holds the groups while
+    they are registered), so a destroyed group is freed, not kept alive by shardwrap until exit,
+    and it starts empty under a new default group. Called at the same point on every rank (making
+    a group is collective over the default group).
     """
 
     def __init__(self) -> None:
-        self._world: dist.ProcessGroup | None = None
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._world: weakref.ref[dist.ProcessGroup] | None = None
+        # a weak reference, or (on a rank outside ``ranks``) a function returning new_group's
+        # non-member marker, an int
+        self._groups: dict[tuple[int, ...], Callable[[], Any]] = {}
 
     def get(self, ranks: tuple[int, ...], **new_group_kwargs: Any) -> dist.ProcessGroup:
         """The cached group over ``ranks``, made (collectively, over the default group) if absent."""
         world = default_group()
-        if self._world is not world:
-            self._world, self._groups = world, {}
-        if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks), **new_group_kwargs)
-        return self._groups[ranks]
+        if self._world is None or self._world() is not world:
+            self._world, self._groups = weakref.ref(world), {}
+        cached = self._groups.get(ranks)
+        group = cached() if cached is not None else None
+        if group is None:
+            group = dist.new_group(list(ranks), **new_group_kwargs)
+            made = group
+            self._groups[ranks] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else (lambda: made)
+        return group
 
 
 _REDUCE_GROUPS = _GroupCache()

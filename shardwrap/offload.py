@@ -13,9 +13,11 @@ parameter (SGD's momentum, a loaded state) into the store, so that a plain torch
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
+import sys
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -82,6 +84,12 @@ def disk_bytes(shard_elements: int, element_size: int = 4) -> int:
 
 
 PAGE_BY_UNIT = True  # a disk-offload step releases each unit's pages when it moves on (UnitPager); benchmarks/offload.py compares
+# A disk-offload step maps each tensor it updates in place writable with one madvise instead of a
+# write fault per 4 KiB page (design/notes/offload.md, "Faulting in a unit at once"); Linux 5.14+
+# only: on an older kernel the first refusal (EINVAL) turns it off. It runs inside UnitPager, so
+# PAGE_BY_UNIT = False turns it off too. benchmarks/offload.py --no-populate compares.
+POPULATE = sys.platform.startswith("linux")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python 3.11's mmap lacks the name
 DISK_STORES: "weakref.WeakSet[OffloadStore]" = weakref.WeakSet()  # live "disk" stores: the step hooks skip all work without one
 
 
@@ -99,6 +107,7 @@ class OffloadStore:
         self._unit_maps: dict[int, list[mmap.mmap]] = {}  # unit index -> its files' mappings
         self._shard_maps: dict[int, mmap.mmap] = {}  # unit index -> its master shard's mapping
         self._unit_of_storage: dict[int, int] = {}  # data_ptr of a file-backed storage -> its unit's index
+        self._map_of_storage: dict[int, mmap.mmap] = {}  # data_ptr of a file-backed storage -> its mapping
         self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
         if self.kind == "disk":
             DISK_STORES.add(self)
@@ -129,7 +138,30 @@ class OffloadStore:
         out = torch.frombuffer(mapped, dtype=dtype, count=numel)
         self._disk_storages.add(out.untyped_storage().data_ptr())
         self._unit_of_storage[out.untyped_storage().data_ptr()] = unit
+        self._map_of_storage[out.untyped_storage().data_ptr()] = mapped
         return out
+
+    def populate_for_write(self, tensor: torch.Tensor) -> None:
+        """Map every page of ``tensor`` (a contiguous view of one of this store's files; a DTensor:
+        its local tensor) writable now, in one ``madvise(MADV_POPULATE_WRITE)``, instead of one
+        write fault per page as the step reaches it. The pages would be written (so dirtied) by
+        the caller anyway. Not a file-backed tensor, or a kernel that refuses: nothing."""
+        global POPULATE
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        mapped = self._map_of_storage.get(storage.data_ptr())
+        if mapped is None or not POPULATE or not local.is_contiguous() or local.numel() == 0:
+            return
+        start = local.data_ptr() - storage.data_ptr()
+        end = start + local.numel() * local.element_size()
+        first = start - start % mmap.PAGESIZE
+        try:
+            mapped.madvise(_MADV_POPULATE_WRITE, first, end - first)
+        except OSError as exc:  # the step's own writes fault the pages in, as without it
+            if exc.errno == errno.EINVAL:  # a kernel before 5.14: never ask again
+                POPULATE = False
+            # else (a signal, memory or disk space short): this tensor only; a disk that is
+            # full fails the write itself, as it would have without the call
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (a DTensor: its local tensor) lives in one of this store's files."""
@@ -179,11 +211,13 @@ class UnitPager(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._current: tuple[OffloadStore, int] | None = None
+        self._populated: set[int] = set()  # data_ptr of every file-backed tensor faulted in by this step
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         packet = func.__name__.split(".")[0]  # "_fused_adamw_" of "_fused_adamw_.default"
-        if args and isinstance(args[0], list) and packet.startswith("_fused_") and packet.endswith("_"):
+        in_place = packet.endswith("_")
+        if args and isinstance(args[0], list) and packet.startswith("_fused_") and in_place:
             return self._fused_unit_by_unit(func, args, kwargs)
         for arg in args:
             if not isinstance(arg, torch.Tensor):
@@ -191,8 +225,18 @@ class UnitPager(TorchDispatchMode):
             where = self._where(arg)
             if where is not None:
                 self._move_to(where)
+                if in_place:  # the per-parameter loop writes this tensor: its pages at once
+                    self._populate(where[0], [arg])
             break  # the first tensor operand names the parameter being updated
         return func(*args, **kwargs)
+
+    def _populate(self, store: OffloadStore, tensors: list[Any]) -> None:
+        """``store.populate_for_write`` for each of ``tensors`` not yet faulted in by this step."""
+        for tensor in tensors:
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            if isinstance(local, torch.Tensor) and local.numel() and local.data_ptr() not in self._populated:
+                self._populated.add(local.data_ptr())
+                store.populate_for_write(local)
 
     @staticmethod
     def _where(tensor: torch.Tensor) -> tuple[OffloadStore, int] | None:
@@ -221,12 +265,28 @@ class UnitPager(TorchDispatchMode):
         if len(runs) <= 1:
             if runs and runs[0][0] is not None:
                 self._move_to(runs[0][0])
+                self._populate_lists(runs[0][0][0], args, kwargs)
             return func(*args, **kwargs)
         for where, lo, hi in runs:
+            sliced = [a[lo:hi] if isinstance(a, list) and len(a) == n else a for a in args]
             if where is not None:
                 self._move_to(where)
-            func(*[a[lo:hi] if isinstance(a, list) and len(a) == n else a for a in args], **kwargs)
+                self._populate_lists(where[0], sliced, kwargs)
+            func(*sliced, **kwargs)
         return None
+
+    def _populate_lists(self, store: OffloadStore, args: Any, kwargs: dict[str, Any]) -> None:
+        """Fault in, writable, every file-backed tensor of a fused kernel's per-parameter lists
+        that the kernel updates in place: the parameters and their state, not the gradients
+        (which live in RAM) nor the step counts (read and written, but host tensors of 4 bytes).
+        Not when the kernel will skip the update (a ``GradScaler`` found an inf): the pages would
+        be dirtied, and written back, for nothing."""
+        found_inf = kwargs.get("found_inf")
+        if isinstance(found_inf, torch.Tensor) and bool(found_inf.item()):
+            return
+        for arg in args:
+            if isinstance(arg, list):
+                self._populate(store, [t for t in arg if isinstance(t, torch.Tensor) and store.holds(t)])
 
     def _move_to(self, where: tuple[OffloadStore, int] | None) -> None:
         if self._current is not None and where != self._current:

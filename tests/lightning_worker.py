@@ -202,9 +202,11 @@ def run(out: str, devices: int, spec: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out_dir, n = sys.argv[1], int(sys.argv[2])
-    for scenario in sys.argv[3:]:
-        run(out_dir, n, scenario)
-    # Lightning leaves its process group up; one alive at interpreter exit can end the process in
-    # SIGABRT ("terminate called without an active exception"), plain DDP included.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    try:
+        for scenario in sys.argv[3:]:
+            run(out_dir, n, scenario)
+    finally:
+        # Lightning leaves its process group up; one alive at interpreter exit can end the process
+        # in SIGABRT ("terminate called without an active exception"), plain DDP included.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -587,7 +587,7 @@ def test_stage_switches_are_checked_and_usable_directly():
 # ---- a second run in the same process --------------------------------------------------------
 
 
-def on_ranks_two_runs(case: Case, ports: list[int], path: str) -> list[dict]:
+def on_ranks_two_runs(case: Case, path: str) -> list[dict]:
     """Each run in a new default group (``destroy_process_group``, then ``init_process_group``, as
     a notebook or a hyperparameter search does): train the case, then save a checkpoint in the
     background (its own gloo group) and load it into a fresh model."""
@@ -595,18 +595,16 @@ def on_ranks_two_runs(case: Case, ports: list[int], path: str) -> list[dict]:
 
     from parity import _train_sharded
     from shardwrap import load_checkpoint, save_checkpoint
-    from shardwrap.checkpoint import wait_for_saves
 
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = []
-    for i, port in enumerate(ports):
+    for i in range(2):
         dist.destroy_process_group()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{path}-rendezvous-{i}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         result = _train_sharded(case)
         saved = wrap(case)
-        save_checkpoint(f"{path}-{i}", saved, blocking=False)
-        wait_for_saves()
+        save_checkpoint(f"{path}-{i}", saved, blocking=False).result()  # raises what the save raised
         loaded = wrap(case)
         with torch.no_grad():
             for p in loaded.parameters():
@@ -617,22 +615,23 @@ def on_ranks_two_runs(case: Case, ports: list[int], path: str) -> list[dict]:
     return runs
 
 
-@pytest.mark.parametrize("stage,optim", [(3, "sgd"), (2, "adamw")])
-def test_a_second_run_after_a_new_process_group_trains_like_the_first(stage, optim, tmp_path):
-    """shardwrap's own groups (reduce-scatters, background saves) are remade under a new default group."""
+@pytest.mark.parametrize("stage,optim,mesh", [(3, "sgd", None), (2, "adamw", None), (3, "sgd", (2, 2))])
+def test_a_second_run_after_a_new_process_group_trains_like_the_first(stage, optim, mesh, tmp_path):
+    """shardwrap's own groups (reduce-scatters, hybrid sharding's rows, background saves) are
+    remade under a new default group."""
     import harness
     from parity import compare, train_reference
 
-    case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", stage=stage, optim=optim)
+    case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", stage=stage, optim=optim, mesh=mesh)
+    world = 4 if mesh else 2
     reference = train_reference(case)
     timeout = 59.0  # a pool of its own: its process group is replaced
     try:
-        results = run_on_ranks(2, on_ranks_two_runs, case, [harness._free_port(), harness._free_port()],
-                               str(tmp_path / "ckpt"), pg_timeout=timeout, timeout=120)
+        results = run_on_ranks(world, on_ranks_two_runs, case, str(tmp_path / "ckpt"), pg_timeout=timeout, timeout=180)
     finally:
-        harness._drop((2, timeout), kill=False)
+        harness._drop((world, timeout), kill=False)
     for run in range(2):
-        compare(case, 2, [r[run] for r in results], reference)
+        compare(case, world, [r[run] for r in results], reference)
         assert all(all(r[run]["reloaded"]) and r[run]["reloaded"] for r in results)
 
 

@@ -373,3 +373,121 @@ def test_a_fused_step_on_disk_equals_the_fused_step_in_memory(tmp_path, optim):
     (test_a_disk_step_pages_out_each_unit_when_it_moves_on checks that it is split)."""
     for same in run_on_ranks(2, _fused_on_disk_and_in_memory, str(tmp_path), optim):
         assert same and all(same), same
+
+
+def _kernel_populates() -> bool:
+    """Whether this kernel takes MADV_POPULATE_WRITE (Linux 5.14+) on a shared file mapping."""
+    import mmap
+
+    with tempfile.TemporaryFile() as f:
+        f.truncate(mmap.PAGESIZE)
+        mapped = mmap.mmap(f.fileno(), mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        try:
+            mapped.madvise(23)
+            return True
+        except OSError:
+            return False
+        finally:
+            mapped.close()
+
+
+def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
+    """Runs on every rank: three disk-offload steps with every ``madvise(MADV_POPULATE_WRITE)``
+    recorded (mapping, start, length), beside what each step must write: every master shard and
+    every state tensor in the files, as (mapping, first byte, end) ranges. ``refuse``: the kernel
+    refuses the call (as before Linux 5.14). Also the final shards, and the same training with
+    populating turned off."""
+    import mmap
+
+    import shardwrap.offload as offload_module
+
+    calls: list[list[tuple[int, int, int]]] = []
+    refused: list[int] = []
+    real_madvise = mmap.mmap.madvise
+
+    class Recording(mmap.mmap):  # mmap.mmap's methods cannot be patched: the store maps through this
+        def madvise(self, option: int, *args: int) -> None:  # type: ignore[override]
+            if option == 23:  # MADV_POPULATE_WRITE
+                if refuse:
+                    refused.append(option)
+                    raise OSError(22, "Invalid argument")
+                if calls:
+                    calls[-1].append((id(self), *args))
+            real_madvise(self, option, *args)
+
+    def train(record: bool) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        torch.manual_seed(0)
+        model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
+        if optim == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=optim == "adamw_fused")
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+            model(torch.randn(4, 16, generator=g)).square().mean().backward()
+            if record:
+                calls.append([])
+            opt.step()
+            opt.zero_grad()
+        store = model.offload_store
+
+        def where(t: torch.Tensor) -> tuple[int, int, int]:
+            local = t.to_local()
+            storage = local.untyped_storage()
+            first = local.data_ptr() - storage.data_ptr()
+            return id(store._map_of_storage[storage.data_ptr()]), first, first + local.numel() * local.element_size()
+
+        assert all(store.holds(v) for p in model.parameters() for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        shards = [where(p) for p in model.parameters() if p.to_local().numel() and store.holds(p)]
+        states = [where(v) for p in model.parameters() if p.to_local().numel() and store.holds(p)
+                  for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        final = [p.to_local().clone() for p in model.parameters()]
+        del model, opt
+        gc.collect()
+        return final, shards, states
+
+    saved_mmap, saved_populate = mmap.mmap, offload_module.POPULATE
+    mmap.mmap = Recording  # type: ignore[misc]
+    try:
+        populated, shards, states = train(True)
+        still_on = offload_module.POPULATE
+    finally:
+        mmap.mmap = saved_mmap  # type: ignore[misc]
+        offload_module.POPULATE = saved_populate
+    offload_module.POPULATE = False
+    try:
+        plain, _, _ = train(False)
+    finally:
+        offload_module.POPULATE = saved_populate
+
+    def covered(ranges: list[tuple[int, int, int]], step: list[tuple[int, int, int]]) -> list[bool]:
+        return [any(m == mm and s <= first and s + n >= end for mm, s, n in step) for m, first, end in ranges]
+
+    return {
+        "same": [torch.equal(a, b) for a, b in zip(populated, plain)], "still_on": still_on, "refused": len(refused),
+        "supported": _kernel_populates(), "aligned": all(s % mmap.PAGESIZE == 0 for step in calls for _, s, _ in step),
+        "repeated": [len(step) - len(set(step)) for step in calls],
+        "shards_covered": [covered(shards, step) for step in calls], "states_covered": [covered(states, step) for step in calls],
+        "calls": [len(step) for step in calls], "tensors": len(shards) + len(states),
+    }
+
+
+@pytest.mark.parametrize("optim,refuse", [("sgd", False), ("adamw", False), ("adamw_fused", False), ("adamw", True)])
+def test_a_disk_step_faults_in_each_tensor_it_writes_once(tmp_path, optim, refuse):
+    """Each step maps every file-backed tensor it updates (master shards and their state) writable
+    with one page-aligned madvise each, once, and nothing else (not the gradients, which are in
+    RAM); the bits are those of a step that faults page by page. SGD's first step makes its
+    momentum in RAM (a clone of the gradient) and the next step moves it to the files, so from then
+    on it is faulted in too. A kernel that refuses the call is asked once and never again; on a
+    kernel without the call (before Linux 5.14) only the bits are checked."""
+    for r in run_on_ranks(2, _faulted_in_by_steps, str(tmp_path), optim, refuse):
+        assert r["same"] and all(r["same"]), r["same"]
+        assert r["refused"] == int(refuse), r
+        assert r["still_on"] is (r["supported"] and not refuse), r
+        if refuse or not r["supported"]:
+            continue
+        assert r["aligned"] and r["repeated"] == [0, 0, 0], r
+        for step in range(3):
+            assert all(r["shards_covered"][step]), (step, r)
+            if step > 0 or optim != "sgd":
+                assert all(r["states_covered"][step]) and r["calls"][step] == r["tensors"], (step, r)

@@ -523,5 +523,14 @@ def init_fake_world(world: int) -> None:
     collectives return at once and move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if not is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    if is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                f"shardwrap.estimate.simulate needs a fake process group of {world} ranks, but this process "
+                f"already has a real one ({dist.get_backend()}, {dist.get_world_size()} ranks): run the estimate "
+                f"in a process of its own (python -m shardwrap.estimate ... --simulate)"
+            )
+        if dist.get_world_size() == world:
+            return
+        dist.destroy_process_group()  # a simulation at another world size: the last one's fake world goes
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -569,3 +569,38 @@ def test_step_time_options_need_a_mesh(capsys):
         est.main(["--params", "1e9", "--world-size", "8", "--inter-gbps", "10"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "argument --inter-gbps: the step-time model needs --mesh RxS (--mesh 1x8" in err
+
+
+_SIMULATIONS_IN_ONE_PROCESS = """
+import json, socket, sys
+import torch.distributed as dist
+from shardwrap import estimate
+worlds = [int(w) for w in sys.argv[1:]]
+out = {"shard_bytes": [estimate.simulate(estimate.SHAPES["gpt2"], w, "bf16")["shard_bytes"] for w in worlds]}
+dist.destroy_process_group()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+try:
+    estimate.simulate(estimate.SHAPES["gpt2"], 8, "bf16")
+    out["under_a_real_group"] = "ran"
+except RuntimeError as exc:
+    out["under_a_real_group"] = str(exc)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_simulations_at_several_world_sizes_in_one_process_each_use_their_own():
+    """``simulate`` from Python (a notebook comparing world sizes) sets up a fake group of each
+    size in turn, as a fresh process would; under a real process group it refuses, naming why."""
+    def run(*worlds: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", _SIMULATIONS_IN_ONE_PROCESS, *map(str, worlds)],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    together = run(8, 16, 8)
+    assert together["shard_bytes"] == [run(8)["shard_bytes"][0], run(16)["shard_bytes"][0], run(8)["shard_bytes"][0]]
+    assert together["shard_bytes"][0] > together["shard_bytes"][1]
+    assert "already has a real one (gloo, 1 ranks)" in together["under_a_real_group"], together
+    assert "in a process of its own" in together["under_a_real_group"]

@@ -216,7 +216,7 @@ class UnitPager(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         packet = func.__name__.split(".")[0]  # "_fused_adamw_" of "_fused_adamw_.default"
-        in_place = packet.endswith("_")
+        in_place = packet.endswith("_") and not packet.startswith("__")  # "add_", not "__and__"
         if args and isinstance(args[0], list) and packet.startswith("_fused_") and in_place:
             return self._fused_unit_by_unit(func, args, kwargs)
         for arg in args:

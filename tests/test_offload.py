@@ -491,3 +491,49 @@ def test_a_disk_step_faults_in_each_tensor_it_writes_once(tmp_path, optim, refus
             assert all(r["shards_covered"][step]), (step, r)
             if step > 0 or optim != "sgd":
                 assert all(r["states_covered"][step]) and r["calls"][step] == r["tensors"], (step, r)
+
+
+def _fused_step_with_found_inf(directory: str) -> dict:
+    """Runs on every rank: fused AdamW steps on disk with ``found_inf`` set as a ``GradScaler``
+    sets it (an overflow: the kernel skips the update), then cleared; the MADV_POPULATE_WRITE
+    calls of each step and whether the shards changed."""
+    import mmap
+
+    calls: list[int] = []
+    real_madvise = mmap.mmap.madvise
+
+    class Recording(mmap.mmap):  # mmap.mmap's methods cannot be patched: the store maps through this
+        def madvise(self, option: int, *args: int) -> None:  # type: ignore[override]
+            if option == 23:
+                calls[-1] += 1
+            real_madvise(self, option, *args)
+
+    saved = mmap.mmap
+    mmap.mmap = Recording  # type: ignore[misc]
+    try:
+        torch.manual_seed(0)
+        model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        out = {"calls": [], "changed": []}
+        for step, inf in enumerate((0.0, 1.0, 0.0)):
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.grad_scale, opt.found_inf = torch.ones(()), torch.tensor(inf)  # what GradScaler.step hands a fused step
+            before = [p.to_local().clone() for p in model.parameters()]
+            calls.append(0)
+            opt.step()
+            opt.zero_grad()
+            out["calls"].append(calls[-1])
+            out["changed"].append(any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())))
+        return out
+    finally:
+        mmap.mmap = saved  # type: ignore[misc]
+
+
+def test_an_overflowed_fused_step_faults_nothing_in(tmp_path):
+    """A fused step told by a GradScaler that a gradient overflowed leaves every shard as it was;
+    the pager then maps none of their pages writable (they would be written back for nothing)."""
+    for r in run_on_ranks(2, _fused_step_with_found_inf, str(tmp_path)):
+        if not _kernel_populates():
+            assert r["changed"] == [True, False, True], r
+            continue
+        assert r["changed"] == [True, False, True] and r["calls"][0] > 0 and r["calls"][1] == 0 and r["calls"][2] > 0, r

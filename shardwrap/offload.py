@@ -103,11 +103,9 @@ class OffloadStore:
         self.pin = pin  # page-locked host memory: only when the model computes on CUDA
         self.directory: str | None = None
         self._maps: list[mmap.mmap] = []
-        self._disk_storages: set[int] = set()  # data_ptr of every file-backed storage
         self._unit_maps: dict[int, list[mmap.mmap]] = {}  # unit index -> its files' mappings
         self._shard_maps: dict[int, mmap.mmap] = {}  # unit index -> its master shard's mapping
-        self._unit_of_storage: dict[int, int] = {}  # data_ptr of a file-backed storage -> its unit's index
-        self._map_of_storage: dict[int, mmap.mmap] = {}  # data_ptr of a file-backed storage -> its mapping
+        self._files: dict[int, tuple[int, mmap.mmap]] = {}  # data_ptr of a file-backed storage -> (its unit's index, its mapping)
         self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
         if self.kind == "disk":
             DISK_STORES.add(self)
@@ -136,22 +134,20 @@ class OffloadStore:
         if name.endswith("-params"):
             self._shard_maps[unit] = mapped
         out = torch.frombuffer(mapped, dtype=dtype, count=numel)
-        self._disk_storages.add(out.untyped_storage().data_ptr())
-        self._unit_of_storage[out.untyped_storage().data_ptr()] = unit
-        self._map_of_storage[out.untyped_storage().data_ptr()] = mapped
+        self._files[out.untyped_storage().data_ptr()] = (unit, mapped)
         return out
 
-    def populate_for_write(self, tensor: torch.Tensor) -> None:
-        """Map every page of ``tensor`` (a contiguous view of one of this store's files; a DTensor:
-        its local tensor) writable now, in one ``madvise(MADV_POPULATE_WRITE)``, instead of one
-        write fault per page as the step reaches it. The pages would be written (so dirtied) by
-        the caller anyway. Not a file-backed tensor, or a kernel that refuses: nothing."""
+    def populate_for_write(self, local: torch.Tensor) -> None:
+        """Map every page of ``local`` (a plain tensor, a contiguous view of one of this store's
+        files) writable now, in one ``madvise(MADV_POPULATE_WRITE)``, instead of one write fault
+        per page as the step reaches it. The pages would be written (so dirtied) by the caller
+        anyway. Not a file-backed tensor, or a kernel that refuses: nothing."""
         global POPULATE
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
         storage = local.untyped_storage()
-        mapped = self._map_of_storage.get(storage.data_ptr())
-        if mapped is None or not POPULATE or not local.is_contiguous() or local.numel() == 0:
+        file = self._files.get(storage.data_ptr())
+        if file is None or not POPULATE or not local.is_contiguous() or local.numel() == 0:
             return
+        mapped = file[1]
         start = local.data_ptr() - storage.data_ptr()
         end = start + local.numel() * local.element_size()
         first = start - start % mmap.PAGESIZE
@@ -166,7 +162,7 @@ class OffloadStore:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (a DTensor: its local tensor) lives in one of this store's files."""
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return local.untyped_storage().data_ptr() in self._disk_storages
+        return local.untyped_storage().data_ptr() in self._files
 
     def release_pages(self) -> None:
         """Ask the kernel to write back and drop the mapped pages (they are read again from the
@@ -177,7 +173,8 @@ class OffloadStore:
     def unit_of(self, tensor: torch.Tensor) -> int | None:
         """The index of the unit whose file ``tensor`` (a DTensor: its local tensor) lives in."""
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        return self._unit_of_storage.get(local.untyped_storage().data_ptr())
+        file = self._files.get(local.untyped_storage().data_ptr())
+        return file[0] if file is not None else None
 
     def release_unit(self, unit: int) -> None:
         """``release_pages`` for one unit's files."""
@@ -286,7 +283,7 @@ class UnitPager(TorchDispatchMode):
             return
         for arg in args:
             if isinstance(arg, list):
-                self._populate(store, [t for t in arg if isinstance(t, torch.Tensor) and store.holds(t)])
+                self._populate(store, arg)  # the gradients are not in the files: populate_for_write skips them
 
     def _move_to(self, where: tuple[OffloadStore, int] | None) -> None:
         if self._current is not None and where != self._current:

@@ -4,9 +4,11 @@ and the disk files' life (design/notes/offload.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
+from typing import Iterator
 
 import pytest
 import torch
@@ -391,6 +393,35 @@ def _kernel_populates() -> bool:
             mapped.close()
 
 
+@contextlib.contextmanager
+def _recorded_populates(refuse: bool = False) -> Iterator[tuple[list[list[tuple[int, int, int]]], list[int]]]:
+    """The disk store's mappings made through a ``mmap.mmap`` subclass (its methods cannot be
+    patched) that records every ``madvise(MADV_POPULATE_WRITE)`` as (mapping, start, length) into
+    the last list of ``steps`` (append one per step; none: not recorded), or, with ``refuse``,
+    refuses it as a kernel before Linux 5.14 does and counts it in ``refused``."""
+    import mmap
+
+    steps: list[list[tuple[int, int, int]]] = []
+    refused: list[int] = []
+    real_madvise, saved = mmap.mmap.madvise, mmap.mmap
+
+    class Recording(mmap.mmap):
+        def madvise(self, option: int, *args: int) -> None:  # type: ignore[override]
+            if option == 23:  # MADV_POPULATE_WRITE
+                if refuse:
+                    refused.append(option)
+                    raise OSError(22, "Invalid argument")
+                if steps:
+                    steps[-1].append((id(self), *args))
+            real_madvise(self, option, *args)
+
+    mmap.mmap = Recording  # type: ignore[misc]
+    try:
+        yield steps, refused
+    finally:
+        mmap.mmap = saved  # type: ignore[misc]
+
+
 def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
     """Runs on every rank: three disk-offload steps with every ``madvise(MADV_POPULATE_WRITE)``
     recorded (mapping, start, length), beside what each step must write: every master shard and
@@ -402,18 +433,6 @@ def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
     import shardwrap.offload as offload_module
 
     calls: list[list[tuple[int, int, int]]] = []
-    refused: list[int] = []
-    real_madvise = mmap.mmap.madvise
-
-    class Recording(mmap.mmap):  # mmap.mmap's methods cannot be patched: the store maps through this
-        def madvise(self, option: int, *args: int) -> None:  # type: ignore[override]
-            if option == 23:  # MADV_POPULATE_WRITE
-                if refuse:
-                    refused.append(option)
-                    raise OSError(22, "Invalid argument")
-                if calls:
-                    calls[-1].append((id(self), *args))
-            real_madvise(self, option, *args)
 
     def train(record: bool) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         torch.manual_seed(0)
@@ -435,7 +454,7 @@ def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
             local = t.to_local()
             storage = local.untyped_storage()
             first = local.data_ptr() - storage.data_ptr()
-            return id(store._map_of_storage[storage.data_ptr()]), first, first + local.numel() * local.element_size()
+            return id(store._files[storage.data_ptr()][1]), first, first + local.numel() * local.element_size()
 
         assert all(store.holds(v) for p in model.parameters() for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         shards = [where(p) for p in model.parameters() if p.to_local().numel() and store.holds(p)]
@@ -446,13 +465,12 @@ def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
         gc.collect()
         return final, shards, states
 
-    saved_mmap, saved_populate = mmap.mmap, offload_module.POPULATE
-    mmap.mmap = Recording  # type: ignore[misc]
+    saved_populate = offload_module.POPULATE
     try:
-        populated, shards, states = train(True)
+        with _recorded_populates(refuse) as (calls, refused):
+            populated, shards, states = train(True)
         still_on = offload_module.POPULATE
     finally:
-        mmap.mmap = saved_mmap  # type: ignore[misc]
         offload_module.POPULATE = saved_populate
     offload_module.POPULATE = False
     try:
@@ -497,20 +515,7 @@ def _fused_step_with_found_inf(directory: str) -> dict:
     """Runs on every rank: fused AdamW steps on disk with ``found_inf`` set as a ``GradScaler``
     sets it (an overflow: the kernel skips the update), then cleared; the MADV_POPULATE_WRITE
     calls of each step and whether the shards changed."""
-    import mmap
-
-    calls: list[int] = []
-    real_madvise = mmap.mmap.madvise
-
-    class Recording(mmap.mmap):  # mmap.mmap's methods cannot be patched: the store maps through this
-        def madvise(self, option: int, *args: int) -> None:  # type: ignore[override]
-            if option == 23:
-                calls[-1] += 1
-            real_madvise(self, option, *args)
-
-    saved = mmap.mmap
-    mmap.mmap = Recording  # type: ignore[misc]
-    try:
+    with _recorded_populates() as (calls, _):
         torch.manual_seed(0)
         model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -519,14 +524,12 @@ def _fused_step_with_found_inf(directory: str) -> dict:
             model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
             opt.grad_scale, opt.found_inf = torch.ones(()), torch.tensor(inf)  # what GradScaler.step hands a fused step
             before = [p.to_local().clone() for p in model.parameters()]
-            calls.append(0)
+            calls.append([])
             opt.step()
             opt.zero_grad()
-            out["calls"].append(calls[-1])
+            out["calls"].append(len(calls[-1]))
             out["changed"].append(any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())))
         return out
-    finally:
-        mmap.mmap = saved  # type: ignore[misc]
 
 
 def test_an_overflowed_fused_step_faults_nothing_in(tmp_path):

@@ -120,10 +120,19 @@ def uses_pairwise(group: dist.ProcessGroup, device: torch.device, nbytes: int) -
     gloo's reduce-scatter and all-gather cost 1.2-2.4x an all-reduce of the same buffer here,
     where a ring's halves should cost 0.5x each; one send and one receive per peer reach it. CPU
     tensors on a gloo group of more than one rank only: NCCL keeps torch's collectives."""
-    return (
-        device.type == "cpu" and nbytes >= max(PAIRWISE_MIN_BYTES, 1)
-        and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
-    )
+    return device.type == "cpu" and nbytes >= max(PAIRWISE_MIN_BYTES, 1) and _is_multi_rank_gloo(group)
+
+
+# A group's size and backend never change; asked for each collective, they are remembered (weakly:
+# a destroyed group is not kept alive).
+_MULTI_RANK_GLOO: "weakref.WeakKeyDictionary[dist.ProcessGroup, bool]" = weakref.WeakKeyDictionary()
+
+
+def _is_multi_rank_gloo(group: dist.ProcessGroup) -> bool:
+    known = _MULTI_RANK_GLOO.get(group)
+    if known is None:
+        known = _MULTI_RANK_GLOO[group] = dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    return known
 
 
 # The smallest mean piece (bytes per rank) for which a unit's collectives send per-parameter pieces.

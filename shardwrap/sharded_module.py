@@ -1180,6 +1180,9 @@ class ShardedModule(nn.Module):
         self.expect_backward = False
         self._state = TrainingState.IDLE
         self.steps_done += 1
+        if self.sync:  # last: a hook may step an optimizer, which needs every unit settled
+            for unit in reversed(self._units):
+                unit.run_grad_hooks()
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
 

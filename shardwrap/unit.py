@@ -182,8 +182,44 @@ def dtensor_over(
     parameter the optimizer updates while the shard that gets gathered never changes. Not
     differentiable, and cheaper on the host than ``from_local`` (no autograd node, no checks):
     parameters, gradients and optimizer state need neither (design/notes/offload.md)."""
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, spec_of(mesh, placements, shape, stride, local.dtype), requires_grad=False)  # type: ignore[call-arg]
+
+
+def spec_of(mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    """The DTensor spec of a tensor with global ``shape`` and ``stride`` placed on ``mesh``. A spec
+    is immutable once made, so one may be shared by every DTensor laid out the same way."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
+
+
+def _reduce_dtensor_at_any_offset(reduce_ex_internal: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.save`` of a DTensor whose local tensor starts past the beginning of its storage.
+
+    A DTensor is a wrapper with no storage of its own, and ``Tensor._reduce_ex_internal``
+    recognises one by ``data_ptr() == 0``; but a wrapper's ``data_ptr()`` is its storage offset
+    times the item size, and DTensor copies the offset from its local tensor. Every local shard
+    here but the first of a unit is a view into the unit's flat shard, so ``torch.save`` of
+    ``model.state_dict()``, or of ``p.detach()``, raised "Attempted to access the data pointer on
+    an invalid python storage" where ``fully_shard``'s (each shard its own storage) saves. For
+    exactly that case this takes the path an offset-0 DTensor takes: the wrapper's metadata, and
+    its local tensor and spec as state (design/notes/dtensor-parameters.md, "Saving with
+    torch.save"). Every other tensor goes to torch's own reduction unchanged."""
+
+    def reduce(self: torch.Tensor, proto: int) -> Any:
+        if type(self) is DTensor and self.storage_offset() != 0:
+            from torch.utils.hooks import warn_if_has_hooks
+
+            warn_if_has_hooks(self)
+            meta = (type(self), self.dtype, tuple(self.size()), self.stride(), self.storage_offset(), self.layout,
+                    self.device, self.requires_grad)
+            return (torch._utils._rebuild_wrapper_subclass, meta)
+        return reduce_ex_internal(self, proto)
+
+    reduce.__wrapped__ = reduce_ex_internal  # type: ignore[attr-defined]
+    return reduce
+
+
+if not hasattr(DTensor._reduce_ex_internal, "__wrapped__"):  # once, also if this module is reloaded
+    DTensor._reduce_ex_internal = _reduce_dtensor_at_any_offset(DTensor._reduce_ex_internal)  # type: ignore[method-assign]
 
 
 def _average_grad(summed: torch.Tensor, world_size: int) -> None:
@@ -281,6 +317,7 @@ class Unit:
         self._unit_names = unit_names
         self.mesh = mesh
         self.dtensor_mesh = dtensor_mesh if dtensor_mesh is not None else mesh
+        self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, by (id(slot), dtype)
         tp = list(tensor_parallel) if tensor_parallel is not None else []
         # Axes of dtensor_mesh besides the shard axis: hybrid's replicate axis comes before it, the
         # tensor-parallel axis after it; a parameter without TP is replicated over either. Whether
@@ -323,6 +360,10 @@ class Unit:
         # and the parameters whose p.grad the last finish_grad created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
         self._fresh_grads: list[int] = []
+        # Parameters whose p.grad a reduction of this backward set or added to, and of those the
+        # ones some rank used: their post-accumulate-grad hooks are due (run_grad_hooks).
+        self._landed: list[int] = []
+        self._hooks_due: list[int] = []
 
         layout, S = self.layout, self.layout.shard_numel
         # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
@@ -353,9 +394,11 @@ class Unit:
             nn.Parameter(self.as_dtensor(view, slot), requires_grad=slot.requires_grad)
             for view, slot in zip(shard_views, layout.slots)
         ]
+        # The keys of shardwrap's own post-accumulate-grad hooks on them: run_grad_hooks runs the others.
+        self._own_grad_hooks: set[int] = set()
         for param, slot in zip(self.sharded_params, layout.slots):
             if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
-                param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn))
+                self._own_grad_hooks.add(param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn)).id)
 
         # The unsharded buffer (param_dtype) needs storage now to create the aliases; the sharded
         # configurations free it until the first unshard.
@@ -396,8 +439,12 @@ class Unit:
     def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
         a DTensor with the parameter's global shape, placed as ``placements_of(slot)``."""
-        shape, stride = (slot.tp.shape, slot.tp.stride) if slot.tp is not None else (slot.shape, slot.stride)
-        return dtensor_over(local, self.dtensor_mesh, self.placements_of(slot), shape, stride)
+        key = (id(slot), local.dtype)
+        spec = self._specs.get(key)
+        if spec is None:  # once per parameter and dtype: making a spec costs more than the DTensor
+            shape, stride = (slot.tp.shape, slot.tp.stride) if slot.tp is not None else (slot.shape, slot.stride)
+            spec = self._specs[key] = spec_of(self.dtensor_mesh, self.placements_of(slot), shape, stride, local.dtype)
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
     def placements(self, replicated: bool = False) -> tuple[Placement, ...]:
         """``(Shard(0),)`` (``Replicate()`` for a 0-dim parameter); hybrid: ``Replicate()`` first;
@@ -722,8 +769,25 @@ class Unit:
         for i in self._fresh_grads:
             if not used_anywhere[i]:
                 self.sharded_params[i].grad = None
-        self._fresh_grads = []
+        self._hooks_due = [i for i in dict.fromkeys(self._landed) if used_anywhere[i]]
+        self._fresh_grads, self._landed = [], []
         self._grad_used = [False] * len(self._grad_used)
+
+    def run_grad_hooks(self) -> None:
+        """The end of a backward that reduced: each parameter whose gradient it delivered (and
+        that some rank's forward used, as autograd would only then accumulate one) runs the
+        hooks users registered with ``p.register_post_accumulate_grad_hook``, as autograd runs
+        them once ``p.grad`` is final: the optimizer-in-backward pattern steps there
+        (design/notes/dtensor-parameters.md, "Post-accumulate-grad hooks")."""
+        due, self._hooks_due = self._hooks_due, []
+        for i in due:
+            param = self.sharded_params[i]
+            if param.grad is None:
+                continue
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+            for key, hook in list(hooks.items()):
+                if key not in self._own_grad_hooks:
+                    hook(param)
 
     def _views_done(self, grad_outputs: object) -> None:
         """Autograd node pre-hook on the views' split: the views of one forward call have done
@@ -947,6 +1011,7 @@ class Unit:
         self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used = [], [False] * len(self._grad_used)
+        self._landed, self._hooks_due = [], []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
             if self.stage.keep_unsharded_grad and leaf.grad is not None:
@@ -1268,6 +1333,7 @@ class Unit:
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
             if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone
                 continue
+            self._landed.append(i)
             if param.grad is not None:
                 local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad

@@ -270,3 +270,158 @@ def test_stage1_sees_every_optimizer_kernel_write_the_shards(kernel, optim):
     for got in run_on_ranks(2, on_ranks_stage1_kernels, kernel, optim):
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kernel} {optim} '{name}': {m}")
+
+
+# ---- p.register_post_accumulate_grad_hook: an optimizer that steps inside backward ----------------
+
+
+class DeadBlock(models.Block):
+    """A Block with a parameter no forward uses: autograd never accumulates into it, so its hook
+    must not run (and its optimizer never steps it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.dead = nn.Linear(dim, dim)
+        self.use_dead = False  # a step that sets it reaches ``dead`` after all
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + self.dead(x) if self.use_dead else y
+
+
+def dead_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), DeadBlock(16), DeadBlock(16), nn.Linear(16, 5))
+
+
+def step_in_backward(model: nn.Module, optim: str) -> dict[str, int]:
+    """One optimizer per parameter, stepped and zeroed by the parameter's post-accumulate-grad hook
+    (torch's "optimizer in backward" recipe); returns the calls per parameter name."""
+    calls = {n: 0 for n, _ in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        if optim == "sgd":
+            opt = torch.optim.SGD([p], lr=0.05, momentum=0.9, weight_decay=0.01)
+        else:
+            opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1 if p.dim() >= 2 else 0.0)
+
+        def hook(param: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+            calls[names[param]] += 1
+            opt.step()
+            opt.zero_grad()
+
+        p.register_post_accumulate_grad_hook(hook)
+    return calls
+
+
+def in_backward_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+
+
+def train_in_backward(model: nn.Module, optim: str, chunk: tuple[int, int] = (1, 0)) -> dict[str, int]:
+    calls = step_in_backward(model, optim)
+    for step in range(3):
+        x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(step))
+        ((model(x) - y) ** 2).mean().backward()
+    return calls
+
+
+def on_ranks_in_backward(stage: int, optim: str) -> dict:
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(dead_net(), auto_wrap_policy={DeadBlock}, stage=stage)
+    calls = train_in_backward(model, optim, (dist.get_world_size(), dist.get_rank()))
+    return {"full": model.full_state_dict(rank0_only=False), "calls": calls, "grads": [p.grad is None for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_post_accumulate_grad_hooks_step_an_optimizer_in_backward_like_one_process(stage, optim):
+    # Each parameter's hook runs once a backward with its reduced gradient, as autograd runs it
+    # once p.grad is final; the unused ``dead`` parameters' never run. The per-parameter
+    # optimizers then follow the unwrapped model's trajectory (fully_shard does the same).
+    reference = dead_net()
+    expected_calls = train_in_backward(reference, optim)
+    assert expected_calls["1.dead.weight"] == 0 and expected_calls["0.weight"] == 3
+    for r in run_on_ranks(2, on_ranks_in_backward, stage, optim):
+        assert r["calls"] == expected_calls, r["calls"]
+        assert all(r["grads"]), "every hook zeroed its gradient"
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- torch.save of the sharded state dict, per rank ------------------------------------------------
+
+
+def on_ranks_torch_save(case: Case, path: str, steps: int) -> dict:
+    model, opt = make(case)
+    train(case, model, opt, range(steps))
+    mine = f"{path}.rank{dist.get_rank()}"
+    # DTensors whose local tensors sit inside a unit's flat shard, at a storage offset
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "params": [p.detach() for p in model.parameters()]}, mine)
+    dist.barrier()
+    state = torch.load(mine, weights_only=True)
+    loaded_params = all(
+        isinstance(q, DTensor) and q.placements == p.placements and torch.equal(q.to_local(), p.to_local())
+        for p, q in zip(model.parameters(), state["params"])
+    )
+    fresh, fresh_opt = make(case)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    train(case, fresh, fresh_opt, range(steps, case.steps))
+    return {"full": fresh.full_state_dict(), **placed_params(case, fresh), "losses": [0.0] * case.steps, "norms": [],
+            "loaded_params": loaded_params}
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torch_save_of_the_sharded_state_dict_per_rank_resumes_on_the_same_trajectory(stage, optim, tmp_path):
+    # What fully_shard users do without DCP: each rank torch.saves model.state_dict() and
+    # opt.state_dict(), loads them (weights_only) into a fresh wrapped model and goes on.
+    run = case(stage=stage, optim=optim, steps=4)
+    expected, _, _ = train_reference(run)
+    results = run_on_ranks(2, on_ranks_torch_save, run, str(tmp_path / "sd.pt"), 2)
+    assert all(r["loaded_params"] for r in results)
+    compare(run, 2, results, reference=(expected, [], []))
+
+
+def count_only(model: nn.Module) -> dict[str, int]:
+    calls = {n: 0 for n, _ in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda param: calls.__setitem__(names[param], calls[names[param]] + 1))
+    return calls
+
+
+def accumulate_with_dead_once(model: nn.Module, chunk: tuple[int, int] = (1, 0)) -> dict[str, int]:
+    """Two backward passes into the same grads (no zero_grad); only the first reaches ``dead``."""
+    calls = count_only(model)
+    for step in range(2):
+        for block in model.modules():
+            if isinstance(block, DeadBlock):
+                block.use_dead = step == 0
+        x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(step))
+        ((model(x) - y) ** 2).mean().backward()
+    return calls
+
+
+def on_ranks_dead_once(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(dead_net(), auto_wrap_policy={DeadBlock}, stage=stage)
+    calls = accumulate_with_dead_once(model, (dist.get_world_size(), dist.get_rank()))
+    return {"calls": calls, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_post_accumulate_grad_hooks_skip_a_parameter_the_backward_did_not_reach(stage):
+    # ``dead`` already holds a gradient from the first backward; the second reduction adds its
+    # zeros to it, but autograd would not run its hook then, so shardwrap does not either.
+    reference = dead_net()
+    expected = accumulate_with_dead_once(reference)
+    assert expected["1.dead.weight"] == 1 and expected["1.up.weight"] == 2
+    for r in run_on_ranks(2, on_ranks_dead_once, stage):
+        assert r["calls"] == expected, r["calls"]
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -16,6 +16,8 @@ tables of both enums.
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import dataclasses
 import functools
 import hashlib
@@ -218,8 +220,38 @@ def _reduce_dtensor_at_any_offset(reduce_ex_internal: Callable[..., Any]) -> Cal
     return reduce
 
 
+def _deepcopy_dtensor_at_any_offset(deepcopy_: Callable[..., Any]) -> Callable[..., Any]:
+    """``copy.deepcopy`` of such a DTensor: ``Tensor.__deepcopy__`` makes the same ``data_ptr() ==
+    0`` test and copied the wrapper's (absent) storage ("invalid python storage"). For exactly
+    that case this runs torch's own branch for wrapper subclasses (a clone, then the grad, the
+    slots and ``__dict__`` deep-copied), which an offset-0 DTensor takes."""
+
+    def deepcopy(self: torch.Tensor, memo: dict[int, Any]) -> Any:
+        if type(self) is not DTensor or self.storage_offset() == 0 or not self.is_leaf:
+            return deepcopy_(self, memo)
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+            if self.requires_grad:
+                new.requires_grad_()
+            if self.grad is not None:
+                new.grad = self.grad.__deepcopy__(memo)
+            for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
+                if hasattr(self, slot):
+                    setattr(new, slot, copy.deepcopy(getattr(self, slot), memo))
+            self._clear_non_serializable_cached_data()
+            new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = new
+        return new
+
+    deepcopy.__wrapped__ = deepcopy_  # type: ignore[attr-defined]
+    return deepcopy
+
+
 if not hasattr(DTensor._reduce_ex_internal, "__wrapped__"):  # once, also if this module is reloaded
     DTensor._reduce_ex_internal = _reduce_dtensor_at_any_offset(DTensor._reduce_ex_internal)  # type: ignore[method-assign]
+    DTensor.__deepcopy__ = _deepcopy_dtensor_at_any_offset(DTensor.__deepcopy__)  # type: ignore[method-assign]
 
 
 def _average_grad(summed: torch.Tensor, world_size: int) -> None:
@@ -704,6 +736,16 @@ class Unit:
         point the slots at it until post_backward. A recomputation that runs ``forward`` without
         the module's hooks (HF checkpoints ``forward``, not ``__call__``) then reads full
         parameters, as it read them in the first forward."""
+        if torch.is_grad_enabled() and self.stage.reshard_after_backward and self.layout.slots:
+            # autograd runs a backward in grad mode only with create_graph=True
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: a backward with create_graph=True (a double "
+                f"backward: a gradient penalty, MAML, Hessian-vector products) reached unit "
+                f"'{self.name}', which frees its gathered parameters when a backward ends (stages 2 and 3). "
+                f"The graph that backward builds keeps them, so the second backward "
+                f"would read freed storage. Use stage=1 (the parameters stay gathered), or leave "
+                f"this unit out of the double-backward part of the model."
+            )
         self._root.begin_backward()
         self._gather_for_backward()
         with torch.enable_grad():  # backward runs without grad mode; the recomputation needs views autograd can follow to the leaf

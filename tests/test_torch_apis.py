@@ -5,6 +5,7 @@ the overridden ``nn.Module`` signatures work unchanged (design/notes/dtensor-par
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -351,7 +352,7 @@ def test_post_accumulate_grad_hooks_step_an_optimizer_in_backward_like_one_proce
             torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# ---- torch.save of the sharded state dict, per rank ------------------------------------------------
+# ---- torch.save and copy.deepcopy of the sharded state dict, per rank ------------------------------------------------
 
 
 def on_ranks_torch_save(case: Case, path: str, steps: int) -> dict:
@@ -366,12 +367,19 @@ def on_ranks_torch_save(case: Case, path: str, steps: int) -> dict:
         isinstance(q, DTensor) and q.placements == p.placements and torch.equal(q.to_local(), p.to_local())
         for p, q in zip(model.parameters(), state["params"])
     )
+    # a "best so far" copy in memory, as training scripts keep one: equal, and not the model's storage
+    kept = copy.deepcopy(model.state_dict())
+    deepcopied = all(
+        isinstance(kept[k], DTensor) and kept[k].placements == v.placements and torch.equal(kept[k].to_local(), v.to_local())
+        and kept[k].to_local().untyped_storage().data_ptr() != v.to_local().untyped_storage().data_ptr()
+        for k, v in model.state_dict().items()
+    )
     fresh, fresh_opt = make(case)
     fresh.load_state_dict(state["model"])
     fresh_opt.load_state_dict(state["optim"])
     train(case, fresh, fresh_opt, range(steps, case.steps))
     return {"full": fresh.full_state_dict(), **placed_params(case, fresh), "losses": [0.0] * case.steps, "norms": [],
-            "loaded_params": loaded_params}
+            "loaded_params": loaded_params, "deepcopied": deepcopied}
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
@@ -382,7 +390,7 @@ def test_torch_save_of_the_sharded_state_dict_per_rank_resumes_on_the_same_traje
     run = case(stage=stage, optim=optim, steps=4)
     expected, _, _ = train_reference(run)
     results = run_on_ranks(2, on_ranks_torch_save, run, str(tmp_path / "sd.pt"), 2)
-    assert all(r["loaded_params"] for r in results)
+    assert all(r["loaded_params"] and r["deepcopied"] for r in results)
     compare(run, 2, results, reference=(expected, [], []))
 
 
@@ -425,3 +433,65 @@ def test_post_accumulate_grad_hooks_skip_a_parameter_the_backward_did_not_reach(
         assert r["calls"] == expected, r["calls"]
         for name, p in reference.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- a double backward (create_graph=True): a gradient penalty ------------------------------------
+
+
+def penalty_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """WGAN-GP's shape: the loss plus the squared distance of the input gradient's norm from 1."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return ((out - y) ** 2).mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+
+
+def plain_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def train_penalized(model: nn.Module, loss_fn, chunk: tuple[int, int] = (1, 0), steps: range = range(3)) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in steps:
+        x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(step))
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_double_backward(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(dead_net(), auto_wrap_policy={DeadBlock}, stage=stage)
+    chunk = (dist.get_world_size(), dist.get_rank())
+    if stage == 1:
+        train_penalized(model, penalty_loss, chunk)
+        return {"full": model.full_state_dict(rank0_only=False)}
+    x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(0))
+    try:
+        penalty_loss(model, x, y)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the next forward cleans up after the refused backward
+        train_penalized(model, plain_loss, chunk)
+    return {"full": model.full_state_dict(rank0_only=False), "error": error}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_double_backward_trains_like_one_process_at_stage_1_and_is_refused_clearly_at_2_and_3(stage):
+    # Stage 1 keeps the gathered parameters, so the graph create_graph=True builds stays valid and
+    # a gradient penalty trains like one process. Stages 2 and 3 free them when the backward ends:
+    # the first backward raises on every rank, naming the unit and what to do (fully_shard fails
+    # later with torch's "setStorage ... out of bounds"), and the model then trains on as if the
+    # refused step had not happened.
+    reference = dead_net()
+    train_penalized(reference, penalty_loss if stage == 1 else plain_loss)
+    for r in run_on_ranks(2, on_ranks_double_backward, stage):
+        if stage > 1:
+            assert "create_graph=True" in r["error"] and "stage=1" in r["error"] and "unit '" in r["error"], r["error"]
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)

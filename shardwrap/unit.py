@@ -673,6 +673,7 @@ class Unit:
             return
         if self.index == 0:
             root.root_pre_forward()
+        self._check_slots()
         schedule = root.schedule
         schedule.record_pre_forward(self, torch.is_grad_enabled())
         self.training_state = TrainingState.FORWARD
@@ -1065,6 +1066,7 @@ class Unit:
         if not self.shard_in_unsharded:
             self._free_unsharded()
             self._data = DataState.SHARDED
+        self._install_sharded_params()  # a forward that raised may have left views in the slots
         self.training_state = TrainingState.IDLE
         if failure is not None:
             raise failure
@@ -1122,6 +1124,28 @@ class Unit:
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
+
+    def _check_slots(self) -> None:
+        """Between forwards every slot holds its sharded parameter. One that holds something else
+        was reassigned after wrapping (``module.weight = nn.Parameter(...)``, HF's
+        ``resize_token_embeddings``, ``torch.func.functional_call`` with other tensors): the unit
+        would gather and compute with its own shard and silently ignore it, so refuse instead."""
+        ours = self._padded_unsharded.untyped_storage()._cdata
+        for param, slots, slot in zip(self.sharded_params, self.slots, self.layout.slots):
+            for module, attr in slots:
+                held = module._parameters.get(attr)
+                # a view of this unit's unsharded buffer is this unit's own (torch.func.functional_call
+                # puts back what it found mid-forward); a TP view is a DTensor over one
+                if held is param or (held is not None and local_of(held).untyped_storage()._cdata == ours):
+                    continue
+                raise RuntimeError(
+                    f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' is no "
+                    f"longer the wrapped parameter: '{attr}' of {type(module).__name__} was replaced after "
+                    f"wrapping (an assignment, a parametrization, or torch.func.functional_call with other "
+                    f"tensors). The unit computes with its own shard and would ignore the new value. Change "
+                    f"the model before wrapping, or write new values into the wrapped parameter "
+                    f"(load_state_dict, or p.copy_ under torch.no_grad())."
+                )
 
     def restore_params(self) -> None:
         """The slots hold the sharded parameters again (after a recomputation that stopped early)."""

@@ -223,3 +223,42 @@ def test_a_wrapped_container_indexes_iterates_and_has_a_length():
         assert r["first_is_same"] and r["slice"] == "Sequential" and r["bool"] and r["through_index"], r
         assert len(r["errors"]) == 3 and all("Linear" in e for e in r["errors"]), r["errors"]
         assert r["plain_bool"]
+
+
+def on_ranks_replaced_parameters(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    x, _ = batch(0, dist.get_rank())
+    out = {"before": model(x).detach()}
+
+    def refused(fn) -> str:
+        try:
+            fn()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    up = model.module.blocks[0].up
+    wrapped = up.weight
+    up.weight = nn.Parameter(torch.zeros_like(wrapped.full_tensor()))  # e.g. a resized or re-tied weight
+    out["assigned"] = refused(lambda: model(x))
+    up.weight = wrapped  # put back: the model goes on
+    params = dict(model.named_parameters())
+    out["own_params"] = torch.equal(torch.func.functional_call(model, params, (x,)).detach(), out["before"])
+    zeros = {n: torch.zeros_like(p.full_tensor()) for n, p in params.items()}
+    out["functional_call"] = refused(lambda: torch.func.functional_call(model, zeros, (x,)))
+    out["after"] = torch.equal(model(x).detach(), out["before"])
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stage):
+    # The unit would gather its own shard and silently compute without the new tensor (also
+    # under fully_shard); now the next forward names it. functional_call with the model's own
+    # parameters is no replacement and works.
+    for r in run_on_ranks(WORLD, on_ranks_replaced_parameters, stage):
+        for call, name in (("assigned", "blocks.0.up.weight"), ("functional_call", "inp.weight")):
+            assert f"'{name}'" in r[call] and "replaced after wrapping" in r[call], r[call]
+        assert r["own_params"] and r["after"], r

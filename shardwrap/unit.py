@@ -744,8 +744,9 @@ class Unit:
                 f"backward: a gradient penalty, MAML, Hessian-vector products) reached unit "
                 f"'{self.name}', which frees its gathered parameters when a backward ends (stages 2 and 3). "
                 f"The graph that backward builds keeps them, so the second backward "
-                f"would read freed storage. Use stage=1 (the parameters stay gathered), or leave "
-                f"this unit out of the double-backward part of the model."
+                f"would read freed storage. Use stage=1 (the parameters stay gathered; second derivatives "
+                f"with respect to inputs, as a gradient penalty takes them), or leave this unit out of the "
+                f"double-backward part of the model."
             )
         self._root.begin_backward()
         self._gather_for_backward()
@@ -788,6 +789,16 @@ class Unit:
             return_free_heap()  # host RAM is what offload saves: free heap pages go back now
 
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
+        if leaf.grad is not None and leaf.grad.requires_grad:
+            leaf.grad = leaf.grad.detach()  # no graph stays in the buffer: the next forward's cleanup zeroes it
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: unit '{self.name}' got a gradient that itself requires "
+                f"grad: a backward with create_graph=True computed the parameters' gradients "
+                f"(loss.backward(create_graph=True), a Hessian-vector product over the parameters). The "
+                f"gradients are reduced across ranks as plain tensors, so their graph would be lost. Take "
+                f"second derivatives with respect to inputs only (torch.autograd.grad(out, x, "
+                f"create_graph=True), as a gradient penalty does), which stage 1 supports."
+            )
         self.post_backward()
 
     def _note_used_grads(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
@@ -1066,7 +1077,6 @@ class Unit:
         if not self.shard_in_unsharded:
             self._free_unsharded()
             self._data = DataState.SHARDED
-        self._install_sharded_params()  # a forward that raised may have left views in the slots
         self.training_state = TrainingState.IDLE
         if failure is not None:
             raise failure

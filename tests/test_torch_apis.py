@@ -450,8 +450,9 @@ def plain_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return ((model(x) - y) ** 2).mean()
 
 
-def train_penalized(model: nn.Module, loss_fn, chunk: tuple[int, int] = (1, 0), steps: range = range(3)) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def train_penalized(model: nn.Module, loss_fn, chunk: tuple[int, int] = (1, 0), steps: range = range(3),
+                    opt: torch.optim.Optimizer | None = None) -> None:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in steps:
         x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(step))
         loss_fn(model, x, y).backward()
@@ -465,11 +466,19 @@ def on_ranks_double_backward(stage: int) -> dict:
     from shardwrap import ShardedModule
 
     model = ShardedModule(dead_net(), auto_wrap_policy={DeadBlock}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # built before the refusal, as in a training script
     chunk = (dist.get_world_size(), dist.get_rank())
-    if stage == 1:
-        train_penalized(model, penalty_loss, chunk)
-        return {"full": model.full_state_dict(rank0_only=False)}
     x, y = (t.chunk(chunk[0])[chunk[1]] for t in in_backward_batch(0))
+    if stage == 1:
+        try:  # second derivatives over the parameters (AdaHessian's form): refused, and training goes on
+            plain_loss(model, x, y).backward(create_graph=True)
+            error = ""
+        except RuntimeError as e:
+            error = str(e)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train_penalized(model, penalty_loss, chunk, opt=opt)
+        return {"full": model.full_state_dict(rank0_only=False), "error": error}
     try:
         penalty_loss(model, x, y)
         error = ""
@@ -477,14 +486,15 @@ def on_ranks_double_backward(stage: int) -> dict:
         error = str(e)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the next forward cleans up after the refused backward
-        train_penalized(model, plain_loss, chunk)
+        train_penalized(model, plain_loss, chunk, opt=opt)
     return {"full": model.full_state_dict(rank0_only=False), "error": error}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_double_backward_trains_like_one_process_at_stage_1_and_is_refused_clearly_at_2_and_3(stage):
     # Stage 1 keeps the gathered parameters, so the graph create_graph=True builds stays valid and
-    # a gradient penalty trains like one process. Stages 2 and 3 free them when the backward ends:
+    # a gradient penalty trains like one process (second derivatives over the parameters themselves,
+    # loss.backward(create_graph=True), are refused there, naming what works, and training goes on). Stages 2 and 3 free them when the backward ends:
     # the first backward raises on every rank, naming the unit and what to do (fully_shard fails
     # later with torch's "setStorage ... out of bounds"), and the model then trains on as if the
     # refused step had not happened.
@@ -493,5 +503,7 @@ def test_a_double_backward_trains_like_one_process_at_stage_1_and_is_refused_cle
     for r in run_on_ranks(2, on_ranks_double_backward, stage):
         if stage > 1:
             assert "create_graph=True" in r["error"] and "stage=1" in r["error"] and "unit '" in r["error"], r["error"]
+        else:
+            assert "requires grad" in r["error"] and "torch.autograd.grad(out, x" in r["error"], r["error"]
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -392,9 +392,8 @@ class Unit:
         # and the parameters whose p.grad the last finish_grad created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
         self._fresh_grads: list[int] = []
-        # Parameters whose p.grad a reduction of this backward set or added to, and of those the
-        # ones some rank used: their post-accumulate-grad hooks are due (run_grad_hooks).
-        self._landed: list[int] = []
+        # Trainable parameters some rank's forward used in the backward that last reduced: their
+        # post-accumulate-grad hooks are due (run_grad_hooks).
         self._hooks_due: list[int] = []
 
         layout, S = self.layout, self.layout.shard_numel
@@ -823,8 +822,9 @@ class Unit:
         for i in self._fresh_grads:
             if not used_anywhere[i]:
                 self.sharded_params[i].grad = None
-        self._hooks_due = [i for i in dict.fromkeys(self._landed) if used_anywhere[i]]
-        self._fresh_grads, self._landed = [], []
+        # A parameter some rank used was reduced and got its p.grad here, unless frozen since wrapping
+        self._hooks_due = [i for i, used in enumerate(used_anywhere) if used and self.sharded_params[i].requires_grad]
+        self._fresh_grads = []
         self._grad_used = [False] * len(self._grad_used)
 
     def run_grad_hooks(self) -> None:
@@ -1065,7 +1065,7 @@ class Unit:
         self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used = [], [False] * len(self._grad_used)
-        self._landed, self._hooks_due = [], []
+        self._hooks_due = []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
             if self.stage.keep_unsharded_grad and leaf.grad is not None:
@@ -1140,13 +1140,15 @@ class Unit:
         was reassigned after wrapping (``module.weight = nn.Parameter(...)``, HF's
         ``resize_token_embeddings``, ``torch.func.functional_call`` with other tensors): the unit
         would gather and compute with its own shard and silently ignore it, so refuse instead."""
-        ours = self._padded_unsharded.untyped_storage()._cdata
         for param, slots, slot in zip(self.sharded_params, self.slots, self.layout.slots):
             for module, attr in slots:
                 held = module._parameters.get(attr)
+                if held is param:
+                    continue
                 # a view of this unit's unsharded buffer is this unit's own (torch.func.functional_call
                 # puts back what it found mid-forward); a TP view is a DTensor over one
-                if held is param or (held is not None and local_of(held).untyped_storage()._cdata == ours):
+                ours = self._padded_unsharded.untyped_storage()._cdata
+                if held is not None and local_of(held).untyped_storage()._cdata == ours:
                     continue
                 raise RuntimeError(
                     f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' is no "
@@ -1409,7 +1411,6 @@ class Unit:
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
             if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone
                 continue
-            self._landed.append(i)
             if param.grad is not None:
                 local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad

@@ -205,9 +205,10 @@ class PairwiseWork:
 
     def wait(self) -> bool:
         """Receives first, then sends, then the sum. A part that fails (a peer went away, a
-        timeout) ends the wait there: its sum is never taken, ``peers_started`` stays as it was,
-        and every later ``wait()`` raises the same failure, as torch's ``Work`` does. The parts
-        not waited for keep their tensors alive in their own ``Work``."""
+        timeout, the sum itself) ends the wait there: its sum is never taken (or not finished),
+        ``peers_started`` stays as it was, and every later ``wait()`` raises the same failure, as
+        torch's ``Work`` does. The parts not waited for keep their tensors alive in their own
+        ``Work``."""
         if self._failure is not None:
             raise self._failure
         works, self._works = self._works, []
@@ -218,11 +219,13 @@ class PairwiseWork:
             self.peers_started = True
             for work in works[: self._sends]:
                 work.wait()
+            if finish is not None:
+                finish()
         except Exception as exc:
+            # Also a failed sum: the reduce waiter thread may be the first to wait, and the unit's
+            # own wait after it must raise, not return with an output never written.
             self._failure = exc
             raise
-        if finish is not None:
-            finish()
         return True
 
     def is_completed(self) -> bool:

@@ -243,3 +243,21 @@ def test_a_failed_part_ends_the_wait_and_is_raised_again():
     ok.wait()
     ok.wait()
     assert log == ["recv 0", "recv", "send"] and ok.peers_started and summed == [True]
+
+
+def test_a_failed_sum_is_raised_again():
+    """The reduce waiter thread may be the first to wait on a reduce-scatter: if the sum itself
+    fails there, the unit's own wait after it must raise the same failure, not return as though
+    the output had been written."""
+    log: list[str] = []
+    calls: list[int] = []
+
+    def failing_sum() -> None:
+        calls.append(1)
+        raise RuntimeError("the sum failed")
+
+    work = collectives.PairwiseWork([_Part(log, "send"), _Part(log, "recv")], failing_sum, sends=1)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the sum failed"):
+            work.wait()
+    assert calls == [1] and log == ["recv", "send"]

@@ -560,6 +560,10 @@ def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
+def _nothing() -> None:
+    pass
+
+
 class ShardedModule(nn.Module):
     """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
     ``shardwrap.Stage`` gives the switches directly).
@@ -834,6 +838,30 @@ class ShardedModule(nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapped model's children, as the other ``named_*`` give its names: code that walks
+        the tree child by child (Hugging Face's ``get_parameter_names``, which picks the
+        parameters that get weight decay) builds the same names as from ``named_parameters()``,
+        with no ``module.`` in front. ``train``, ``apply`` and replacing a top-level child follow."""
+        return self.module.named_children()
+
+    def train(self, mode: bool = True) -> "ShardedModule":
+        self.training = mode
+        self.module.train(mode)
+        return self
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "ShardedModule":
+        self.module.apply(fn)
+        fn(self)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if isinstance(value, nn.Module) and name != "module" and inner is not None and name in inner._modules:
+            setattr(inner, name, value)  # a top-level child of the wrapped model, as named_children names it
+            return
+        super().__setattr__(name, value)
+
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         if prefix and _inside_ddp_constructor():
             # DDP around a module that holds this one: the property below is only read on DDP's
@@ -1063,10 +1091,22 @@ class ShardedModule(nn.Module):
         self.spares.open()
 
     def prefetch_backward(self) -> None:
+        self.start_backward_prefetch()()
+
+    def start_backward_prefetch(self) -> Callable[[], None]:
+        """Pick the unit the backward gathers ahead and start its header now; the returned
+        function starts its gather (after whatever the caller waits for in between, beside which
+        the header's round trip runs: design/notes/rank-agreement.md)."""
         ahead = self.schedule.backward_prefetch()
-        if ahead is not None:
-            ahead.unshard(async_op=True)
+        if ahead is None:
+            return _nothing
+        header = ahead.start_check_in()
+
+        def start() -> None:
+            ahead.unshard(async_op=True, header=header)
             self.schedule.gathered_ahead()
+
+        return start
 
     def start_due_reductions(self) -> None:
         """Start the reduce-scatter of every packed unit whose predecessors have all started."""

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 from harness import run_on_ranks
 from test_checkpoint import make, train
-from parity import Case, build_model, check_parity, compare, placed_params, train_reference
+from parity import Case, assert_close_params, build_model, check_parity, compare, placed_params, train_reference
 
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
@@ -507,3 +507,72 @@ def test_a_double_backward_trains_like_one_process_at_stage_1_and_is_refused_cle
             assert "requires grad" in r["error"] and "torch.autograd.grad(out, x" in r["error"], r["error"]
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- code that walks the module tree child by child (Hugging Face's weight-decay groups) ----------
+
+
+def hf_parameter_names(model: nn.Module, forbidden: tuple[type, ...] = (nn.LayerNorm,)) -> list[str]:
+    """Hugging Face's ``get_parameter_names`` (how its Trainer picks the parameters that get weight
+    decay): a walk over ``named_children()``, skipping norms and biases."""
+    result = []
+    for name, child in model.named_children():
+        result += [
+            f"{name}.{n}" for n in hf_parameter_names(child, forbidden)
+            if not isinstance(child, forbidden) and "bias" not in f"{name}.{n}" and "layernorm" not in f"{name}.{n}".lower()
+        ]
+    return result + [k for k in model._parameters if "bias" not in k]
+
+
+def train_hf_groups(model: nn.Module, optim: str, chunk: tuple[int, int] = (1, 0)) -> list[str]:
+    decay = set(hf_parameter_names(model))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.5},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0, "lr": 0.02},
+    ]
+    opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(groups, lr=0.01)
+    model.train()
+    for step in range(3):
+        batch = {k: v.chunk(chunk[0])[chunk[1]] for k, v in parity_batch(step).items()}
+        model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return sorted(decay)
+
+
+def parity_batch(step: int) -> dict[str, torch.Tensor]:
+    from parity import global_batch
+
+    return global_batch(GPT2, step)
+
+
+def on_ranks_hf_groups(stage: int, optim: str) -> dict:
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(GPT2), auto_wrap_policy={models.gpt2_block_class()}, stage=stage)
+    model.eval()
+    flags = [model.module.training, *(m.training for m in model.modules())]
+    seen: list[nn.Module] = []
+    model.apply(seen.append)
+    decay = train_hf_groups(model, optim, (dist.get_world_size(), dist.get_rank()))
+    return {
+        "full": model.full_state_dict(rank0_only=False), "decay": decay, "eval_everywhere": not any(flags),
+        "train_everywhere": all(m.training for m in model.modules()), "applied_to_model": any(m is model.module for m in seen),
+    }
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hugging_face_weight_decay_groups_match_the_unwrapped_model(stage, optim):
+    # Hugging Face's Trainer names the decayed parameters by walking named_children(); the names
+    # must be named_parameters()' (they were 'module.'-prefixed: no parameter got weight decay,
+    # a silent 6e-3 after three steps). train(), eval() and apply() reach the wrapped model.
+    reference = build_model(GPT2)
+    want = train_hf_groups(reference, optim)
+    assert len(want) > 4
+    for r in run_on_ranks(2, on_ranks_hf_groups, stage, optim):
+        assert r["decay"] == want
+        assert r["eval_everywhere"] and r["train_everywhere"] and r["applied_to_model"], r
+        for name, value in reference.state_dict().items():
+            assert_close_params(r["full"][name], value, optim, 3, name)

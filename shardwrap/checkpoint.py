@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -535,7 +536,8 @@ def export_to_torch_save(checkpoint_dir: str, out_file: str) -> None:
     """Convert a DCP checkpoint into one ``torch.save`` file of full tensors, atomically.
     Run it in one process; ``torch.load(out_file, weights_only=True)["model"]`` loads into the
     unwrapped model. The checkpoint is verified and read as ``load_checkpoint`` reads it."""
-    save_atomically(read_whole(checkpoint_dir), out_file)
+    whole = read_whole(checkpoint_dir)
+    save_atomically({**whole, CHECKSUM_KEY: content_digest(whole)}, out_file)
 
 
 def read_whole(checkpoint_dir: str, extra_files: Sequence[str] = ()) -> dict[str, Any]:
@@ -569,6 +571,38 @@ def save_atomically(state: Any, out_file: str) -> None:
 
 # ---- single files (torch.save) -------------------------------------------------------------------
 
+# The key under which a single file keeps the hash of the rest of its contents (``save_full``,
+# ``export_to_torch_save``), as "<algorithm>:<hex digest>"; ``load_full`` refuses a file whose
+# contents no longer match it (design/notes/safe-loading.md).
+CHECKSUM_KEY = "shardwrap_checksum"
+
+
+def content_digest(value: Any) -> str:
+    """The hash of a checkpoint's contents, as ``CHECKSUM_KEY`` holds it: every key, value, dtype,
+    shape and tensor byte, in order (what ``torch.load`` gives back, so it is computed alike on
+    both sides), with the algorithm the manifests use (xxh3-64)."""
+    digest = xxhash.xxh3_64()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            digest.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(v, Mapping):
+            digest.update(f"D{len(v)};".encode())
+            for k, item in v.items():
+                walk(k)
+                walk(item)
+        elif isinstance(v, (list, tuple)):
+            digest.update(f"{type(v).__name__}{len(v)};".encode())
+            for item in v:
+                walk(item)
+        else:
+            digest.update(f"{type(v).__name__}:{v!r};".encode())
+
+    walk(value)
+    return f"xxh3_64:{digest.hexdigest()}"
+
 
 def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Gather full model (and optimizer) state on the first rank and ``torch.save`` it atomically:
@@ -577,6 +611,7 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     if optimizer is not None:
         state["optim"] = model.full_optim_state_dict(optimizer)
     if model.world_rank == 0:
+        state[CHECKSUM_KEY] = content_digest(state)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -589,7 +624,15 @@ def _read_full(
     """The file's contents (tensors and plain values only) as ``layout`` finds ``{"model": ...,
     "optim": ...}`` in them, checked against model and optimizer."""
     try:
-        state = layout(torch.load(path, map_location="cpu", weights_only=True))
+        content = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(content, dict) and CHECKSUM_KEY in content:
+            recorded = content.pop(CHECKSUM_KEY)
+            if recorded != content_digest(content):
+                damaged = DamagedCheckpointError(f"its contents do not match the checksum recorded when it was saved ({recorded!r}): bytes changed")
+                raise _refusal(path, damaged)
+        state = layout(content)
+    except CheckpointError:
+        raise
     except Exception as exc:
         if files.refused_object(exc):
             unsafe = UnsafeCheckpointError(f"it holds an object that is not a tensor or plain value ({files.gist(exc)}) and was not unpickled")

@@ -8,6 +8,8 @@ everything first, agree on the verdict across ranks, and raise one error that li
 
 from __future__ import annotations
 
+import copy
+
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 
 import torch
@@ -415,6 +417,7 @@ def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd:
     fqn = [h.layout.slots[i].fqn for h, i in slots]
     outside = [k for k in osd["state"] if not (isinstance(k, int) and 0 <= k < len(params))]
     problems = [f"state for parameter indices this optimizer does not have: {listed(outside)}"] if outside else []
+    problems += kind_problems(opt, osd["param_groups"])
     inside = {k: v for k, v in osd["state"].items() if k not in outside}
     shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].full_shape)  # noqa: E731
     return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
@@ -471,8 +474,39 @@ def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, o
     if unknown:
         problems.append(f"optimizer state for parameters this optimizer does not hold: {listed(unknown)}")
     problems += group_problems(saved, _group_names(model, opt))
+    if not problems:  # the groups pair up with the optimizer's
+        problems += kind_problems(opt, osd["param_groups"])
     known = {n: e for n, e in osd["state"].items() if n in index}
     return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].full_shape), lambda n: f"'{n}'")
+
+
+def kind_problems(opt: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Options this optimizer's step reads that the saved param groups lack: a checkpoint of another
+    optimizer class (SGD's groups have no ``betas``, AdamW's no ``momentum``), which torch's
+    ``load_state_dict`` takes as it is (the next ``step()`` raises ``KeyError``) or fails halfway
+    through, the optimizer's groups already replaced. The groups alone, with no state, are loaded
+    into a shallow copy of the optimizer, so torch's defaults for options newer than the checkpoint
+    apply as in a real load, and the optimizer itself is not touched. Call it once the groups are
+    known to pair up (their number and sizes)."""
+    groups, start = [], 0
+    for saved, live in zip(saved_groups, opt.param_groups):
+        groups.append({**saved, "params": list(range(start, start + len(live["params"])))})
+        start += len(live["params"])
+    try:
+        probe = copy.copy(opt)
+        probe.load_state_dict({"state": {}, "param_groups": groups})
+    except Exception:  # an optimizer that cannot be probed so (its own load_state_dict): the real load decides
+        return []
+    name = type(opt).__name__
+    problems = []
+    for i, group in enumerate(probe.param_groups):
+        missing = sorted(k for k in opt.defaults if k not in group)
+        if missing:
+            problems.append(
+                f"param group {i} has no {', '.join(repr(k) for k in missing)}, which {name} needs: the checkpoint was "
+                f"saved by another kind of optimizer; build the one it was saved with"
+            )
+    return problems
 
 
 def sharded_optim_load(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Mapping[str, Any], *, copy: bool = True) -> dict[str, Any]:

@@ -365,6 +365,103 @@ def test_saves_are_atomic_and_bad_checkpoints_change_nothing(tmp_path):
             assert unchanged, f"{name}: the model or optimizer changed"
 
 
+def on_ranks_other_optimizer_kind(path: str, saved_by: str, door: str) -> dict:
+    """A checkpoint written with one optimizer class, loaded with another (SGD's groups have no
+    betas, AdamW's no momentum): refused, naming the missing option, with the model and the
+    optimizer as they were, and the optimizer still able to step."""
+    from shardwrap import load_checkpoint, load_full, save_checkpoint, save_full
+
+    def build(kind: str):  # one param group each, so only the kind differs
+        model = wrap(MLP)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, opt
+
+    loaded_by = "adamw" if saved_by == "sgd" else "sgd"
+    model, opt = build(saved_by)
+    train(MLP, model, opt, range(2))
+    (save_checkpoint if door == "checkpoint" else save_full)(path, model, opt)
+    fresh, fresh_opt = build(loaded_by)
+    train(MLP, fresh, fresh_opt, range(1))
+    before = fresh.full_state_dict(rank0_only=False)
+    opt_before = fresh_opt.state_dict()
+    try:
+        (load_checkpoint if door == "checkpoint" else load_full)(path, fresh, fresh_opt)
+        error = "no error"
+    except Exception as exc:
+        error = str(exc)
+    after, opt_after = fresh.full_state_dict(rank0_only=False), fresh_opt.state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before) and opt_after["param_groups"] == opt_before["param_groups"] and all(
+        set(opt_after["state"][i]) == set(e) and all(torch.equal(torch.as_tensor(e[k]), torch.as_tensor(opt_after["state"][i][k])) for k in e)
+        for i, e in opt_before["state"].items()
+    )
+    train(MLP, fresh, fresh_opt, range(1, 2))  # it can go on
+    return {"error": error, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("door", ["checkpoint", "full"])
+@pytest.mark.parametrize("saved_by", ["sgd", "adamw"])
+def test_a_checkpoint_of_another_optimizer_kind_is_refused_and_changes_nothing(tmp_path, saved_by, door):
+    # torch's load_state_dict took an AdamW checkpoint into SGD silently (step() then raised
+    # KeyError 'momentum') and failed halfway through with an SGD one into AdamW (KeyError
+    # 'step'), the optimizer's groups already SGD's.
+    missing = "'betas'" if saved_by == "sgd" else "'momentum'"
+    for r in run_on_ranks(2, on_ranks_other_optimizer_kind, str(tmp_path / "ckpt"), saved_by, door):
+        assert missing in r["error"] and "another kind of optimizer" in r["error"], r["error"]
+        assert r["unchanged"], r
+
+
+def flip_a_tensor_bit(path: str) -> None:
+    """Flip one bit inside the first tensor's bytes of a torch.save file (its zip entries are
+    stored uncompressed, and torch.load reads them without checking their CRC)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        at = info.header_offset + 30 + name_len + extra_len + 3
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def on_ranks_flipped_full_file(path: str) -> dict:
+    from shardwrap import load_full, save_full
+
+    model, opt = make(MLP)
+    train(MLP, model, opt, range(2))
+    save_full(path, model, opt)
+    if dist.get_rank() == 0:
+        plain = torch.load(path, weights_only=True)
+        flip_a_tensor_bit(path)
+        changed = not all(torch.equal(plain["model"][k], v) for k, v in torch.load(path, weights_only=True)["model"].items())
+    dist.barrier()
+    before = model.full_state_dict(rank0_only=False)
+    opt_before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    try:
+        load_full(path, model, opt)
+        error = "no error"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after, opt_after = model.full_state_dict(rank0_only=False), opt.state_dict()["state"]
+    unchanged = all(torch.equal(before[k], after[k]) for k in before) and all(
+        torch.equal(opt_before[i][k], opt_after[i][k]) for i in opt_before for k in opt_before[i]
+    )
+    return {"error": error, "unchanged": unchanged, "changed": changed if dist.get_rank() == 0 else True}
+
+
+def test_a_full_file_with_a_changed_bit_is_refused(tmp_path):
+    # save_full records a checksum of its contents; torch.load alone took the flipped file
+    # (a weight became 3.6e37) and so did load_full.
+    for r in run_on_ranks(2, on_ranks_flipped_full_file, str(tmp_path / "full.pt")):
+        assert r["changed"], "the flip did not reach a tensor: the test proves nothing"
+        assert r["error"].startswith("DamagedCheckpointError") and "checksum" in r["error"] and "full.pt" in r["error"], r["error"]
+        assert r["unchanged"], r
+
+
 def on_ranks_zero_dim_round_trip(path: str) -> bool:
     from torch.distributed.tensor import DTensor, Replicate
 

@@ -291,27 +291,11 @@ def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, what: st
     repeated, so a fake process group (which moves nothing) reports every rank equal. ``what``
     names the collective in a timeout error. The values travel on ``carrier_device(group)``.
     """
-    return start_all_gather_ints(values, group, kind=kind).result(what)
-
-
-class GatheredInts:
-    """``all_gather_ints`` in flight: ``result()`` waits and returns every rank's values."""
-
-    def __init__(self, work: dist.Work | None, out: torch.Tensor, width: int) -> None:
-        self._work, self._out, self._width = work, out, width
-
-    def result(self, what: str = "") -> list[list[int]]:
-        wait(self._work, what)
-        self._work = None
-        return self._out.view(-1, self._width).tolist()
-
-
-def start_all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, kind: str = "ints") -> GatheredInts:
-    """Start ``all_gather_ints`` (asynchronous): the same collective, waited on by ``result()``."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=carrier_device(group))
     _count_tensor(kind, mine)
     out = mine.repeat(dist.get_world_size(group))
-    return GatheredInts(_all_gather_single(out, mine, group=group, async_op=True), out, len(values))
+    wait(_all_gather_single(out, mine, group=group, async_op=True), what)
+    return out.view(-1, len(values)).tolist()
 
 
 class CollectiveTimeout(RuntimeError):

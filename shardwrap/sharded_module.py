@@ -560,10 +560,6 @@ def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-def _nothing() -> None:
-    pass
-
-
 class ShardedModule(nn.Module):
     """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
     ``shardwrap.Stage`` gives the switches directly).
@@ -1091,22 +1087,10 @@ class ShardedModule(nn.Module):
         self.spares.open()
 
     def prefetch_backward(self) -> None:
-        self.start_backward_prefetch()()
-
-    def start_backward_prefetch(self) -> Callable[[], None]:
-        """Pick the unit the backward gathers ahead and start its header now; the returned
-        function starts its gather (after whatever the caller waits for in between, beside which
-        the header's round trip runs: design/notes/rank-agreement.md)."""
         ahead = self.schedule.backward_prefetch()
-        if ahead is None:
-            return _nothing
-        header = ahead.start_check_in()
-
-        def start() -> None:
-            ahead.unshard(async_op=True, header=header)
+        if ahead is not None:
+            ahead.unshard(async_op=True)
             self.schedule.gathered_ahead()
-
-        return start
 
     def start_due_reductions(self) -> None:
         """Start the reduce-scatter of every packed unit whose predecessors have all started."""

@@ -286,14 +286,6 @@ Slot = tuple[nn.Module, str]  # a module and the attribute name under which it h
 
 
 @dataclass
-class Header:
-    """A unit's header exchange in flight: this rank's values and the all-gather."""
-
-    mine: list[int]
-    exchange: collectives.GatheredInts
-
-
-@dataclass
 class _Gather:
     """An all-gather in flight into the unsharded buffer."""
 
@@ -685,23 +677,19 @@ class Unit:
         schedule.record_pre_forward(self, torch.is_grad_enabled())
         self.training_state = TrainingState.FORWARD
         schedule.arrived(self)
-        all_ahead = (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1 and self.device.type == "cpu"
-                     and self.store is None and not self.stage.reshard_after_forward and self.stage.reshard_after_backward
-                     and torch.is_grad_enabled() and module.training)
-        # The next unit's header starts before this unit's gather is waited for, so its round
-        # trip runs beside that wait instead of after it (design/notes/rank-agreement.md).
-        ahead = None if all_ahead else schedule.forward_prefetch(self)
-        header = ahead.start_check_in() if ahead is not None else None
         self.unshard()
-        if all_ahead:
+        if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1 and self.device.type == "cpu"
+                and self.store is None and not self.stage.reshard_after_forward and self.stage.reshard_after_backward
+                and torch.is_grad_enabled() and module.training):
             # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
             if rest:  # one header for them all, before any data: one behind a gather's data would wait for it
                 rest[0].check_in(following=rest)
             for unit in rest:
                 unit.unshard(async_op=True, checked_in=True)
+        ahead = schedule.forward_prefetch(self)
         if ahead is not None:
-            ahead.unshard(async_op=True, header=header)
+            ahead.unshard(async_op=True)
         root.spares.drop()  # the allocations that could reuse them are made: none waits through compute
         self._install_unsharded_views()
 
@@ -774,9 +762,8 @@ class Unit:
             unit.training_state = TrainingState.BACKWARD
         schedule.arrived(self)
         self._root.apply_completed_reductions()  # before this unit's buffers are allocated
-        start_prefetch = self._root.start_backward_prefetch()  # its header runs beside this wait
         self.unshard()  # finishes a prefetch, or gathers a unit outside the schedule
-        start_prefetch()
+        self._root.prefetch_backward()
         self._root.spares.drop()
 
     def post_backward(self) -> None:
@@ -871,17 +858,13 @@ class Unit:
 
     # ---- data-state transitions ---------------------------------------------------------------
 
-    def unshard(self, *, async_op: bool = False, checked_in: bool = False, header: Header | None = None) -> None:
+    def unshard(self, *, async_op: bool = False, checked_in: bool = False) -> None:
         """All-gather the flat shard into the unsharded buffer (ONE collective).
 
         SHARDED or UNSHARDED_STALE -> GATHERING -> UNSHARDED. With ``async_op`` the collective
         is only started (prefetch); the next plain ``unshard`` finishes it. UNSHARDED: nothing.
-        ``checked_in``: the caller ran ``check_in`` for this gather already; ``header``: the
-        caller started it (``start_check_in``), and it is checked here first.
+        ``checked_in``: the caller ran ``check_in`` for this gather already.
         """
-        if header is not None:
-            self._check_header(header)
-            checked_in = True
         state = self.data_state
         if state is DataState.GATHERING:
             if not async_op:
@@ -984,29 +967,15 @@ class Unit:
         if self.device.type == "cpu" and self.world_size > 1 and any(u.needs_gather and u.layout.slots for u in units):
             self._check_in_step([u.index for u in following])
 
-    def start_check_in(self) -> Header | None:
-        """``check_in`` for this unit's next gather, started (asynchronous); ``unshard(header=...)``
-        checks it. None where ``check_in`` would exchange nothing."""
-        if self.device.type == "cpu" and self.world_size > 1 and self.needs_gather and self.layout.slots:
-            return self._start_header()
-        return None
-
     def _check_in_step(self, listed: Sequence[int] = ()) -> None:
         """Before the data all-gather, one 16-byte all-gather of (phase, unit index), and for
         gathers started together their number and a 48-bit digest of their units' indices: if a
         peer is at another unit, another phase, a count exchange, or starts other gathers at
         once, every rank raises here instead of gloo aborting on a size mismatch
         (design/notes/rank-agreement.md). CPU only."""
-        self._check_header(self._start_header(listed))
-
-    def _start_header(self, listed: Sequence[int] = ()) -> Header:
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
         mine = [kind + (_digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
-        return Header(mine, collectives.start_all_gather_ints(mine, self.group, kind="headers"))
-
-    def _check_header(self, header: Header) -> None:
-        mine = header.mine
-        rows = header.exchange.result(self._where("all-gather"))
+        rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
         if any(row != mine for row in rows):
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
 

@@ -9,7 +9,6 @@ everything first, agree on the verdict across ranks, and raise one error that li
 from __future__ import annotations
 
 import copy
-
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 
 import torch

@@ -166,6 +166,10 @@ def test_dcp_saved_at_4_loads_exactly_at_2_and_3_and_exports(tmp_path):
     out = str(tmp_path / "export.pt")
     export_to_torch_save(path, out)
     exported = torch.load(out, weights_only=True)
+    # It carries the checksum load_full verifies, matching what torch.load gives back.
+    from shardwrap.checkpoint import CHECKSUM_KEY, content_digest
+
+    assert exported.pop(CHECKSUM_KEY) == content_digest(exported)
     unwrapped = build_model(case)
     unwrapped.load_state_dict(exported["model"], strict=True)
     for k, v in saved["full"].items():

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 from harness import run_on_ranks
 from test_checkpoint import make, train
-from parity import Case, assert_close_params, build_model, check_parity, compare, placed_params, train_reference
+from parity import Case, assert_close_params, build_model, check_parity, compare, global_batch, placed_params, train_reference
 
 MLP = Case("mlp", {"dim": 16, "depth": 3}, policy="Block")
 GPT2 = Case("gpt2", {"n_layer": 2}, policy="GPT2Block", data="lm", seq=8)
@@ -534,17 +534,11 @@ def train_hf_groups(model: nn.Module, optim: str, chunk: tuple[int, int] = (1, 0
     opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(groups, lr=0.01)
     model.train()
     for step in range(3):
-        batch = {k: v.chunk(chunk[0])[chunk[1]] for k, v in parity_batch(step).items()}
+        batch = {k: v.chunk(chunk[0])[chunk[1]] for k, v in global_batch(GPT2, step).items()}
         model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
         opt.step()
         opt.zero_grad()
     return sorted(decay)
-
-
-def parity_batch(step: int) -> dict[str, torch.Tensor]:
-    from parity import global_batch
-
-    return global_batch(GPT2, step)
 
 
 def on_ranks_hf_groups(stage: int, optim: str) -> dict:
@@ -555,10 +549,14 @@ def on_ranks_hf_groups(stage: int, optim: str) -> dict:
     flags = [model.module.training, *(m.training for m in model.modules())]
     seen: list[nn.Module] = []
     model.apply(seen.append)
+    head = model.module.lm_head
+    model.lm_head = head  # a top-level child, as named_children names it: set on the wrapped model
+    replaced_inside = "lm_head" not in model._modules and model.module.lm_head is head
     decay = train_hf_groups(model, optim, (dist.get_world_size(), dist.get_rank()))
     return {
         "full": model.full_state_dict(rank0_only=False), "decay": decay, "eval_everywhere": not any(flags),
         "train_everywhere": all(m.training for m in model.modules()), "applied_to_model": any(m is model.module for m in seen),
+        "replaced_inside": replaced_inside,
     }
 
 
@@ -567,12 +565,13 @@ def on_ranks_hf_groups(stage: int, optim: str) -> dict:
 def test_hugging_face_weight_decay_groups_match_the_unwrapped_model(stage, optim):
     # Hugging Face's Trainer names the decayed parameters by walking named_children(); the names
     # must be named_parameters()' (they were 'module.'-prefixed: no parameter got weight decay,
-    # a silent 6e-3 after three steps). train(), eval() and apply() reach the wrapped model.
+    # a silent 6e-3 after three steps). train(), eval(), apply() and assigning a top-level child
+    # reach the wrapped model.
     reference = build_model(GPT2)
     want = train_hf_groups(reference, optim)
     assert len(want) > 4
     for r in run_on_ranks(2, on_ranks_hf_groups, stage, optim):
         assert r["decay"] == want
-        assert r["eval_everywhere"] and r["train_everywhere"] and r["applied_to_model"], r
+        assert r["eval_everywhere"] and r["train_everywhere"] and r["applied_to_model"] and r["replaced_inside"], r
         for name, value in reference.state_dict().items():
             assert_close_params(r["full"][name], value, optim, 3, name)

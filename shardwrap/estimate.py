@@ -308,16 +308,16 @@ COLLECTIVES = {
 
 
 def collectives_formula(
-    shards_per_unit: list[tuple[int, int]] | None, psi: int, mesh: Mesh, precision: str, stage: int = 3,
-    *, first_step: bool = False, trainable_params: int = 0,
+    shards_per_unit: list[tuple[int, int, int]] | None, psi: int, mesh: Mesh, precision: str, stage: int = 3,
+    *, first_step: bool = False,
 ) -> dict:
     """The collectives of one training step (forward, backward, optimizer step) on one rank of an
     R x S mesh, per mesh axis, as ``shardwrap.collectives.count_collectives()`` counts them and as
     bytes on the wire.
 
-    ``shards_per_unit``: per unit, root first and the unit that ends the forward last, ``(n, g)``:
-    its padded shard elements per rank at S shards (``FlatLayout.shard_numel``) and the trainable
-    prefix of it (``grad_shard_numel``). ``None`` (only Psi known): one ideal unit of Psi / S
+    ``shards_per_unit``: per unit, root first and the unit that ends the forward last, ``(n, g, k)``:
+    its padded shard elements per rank at S shards (``FlatLayout.shard_numel``), the trainable
+    prefix of it (``grad_shard_numel``) and its trainable parameters (``num_trainable``). ``None`` (only Psi known): one ideal unit of Psi / S
     elements, no padding, no tag, nothing kept between forward and backward. p: bytes per element
     of the compute dtype (the all-gathers and, as ``MixedPrecision(param_dtype=...)`` sets it, the
     reduce dtype too).
@@ -329,12 +329,13 @@ def collectives_formula(
       the shard and its tag: n + 1 elements (the counter), and each rank receives the other
       S - 1 ranks' (ring): (S - 1)(n + 1) p bytes. Summed: Psi (S - 1) / S elements per pass
       without padding and tags.
-    - reduce-scatter over "shard": each unit with trainable parameters once, input S (g + 1)
-      (the gradient, rank-major, and a used-flag per rank: the counter), on the wire
-      (S - 1)(g + 1) p bytes sent per rank (ring).
+    - reduce-scatter over "shard": each unit with trainable parameters once, input S (g + k)
+      (the gradient, rank-major, and each rank's used-flags, one per trainable parameter: the
+      counter; design/notes/unused-parameters.md), on the wire (S - 1)(g + k) p bytes sent per
+      rank (ring).
     - gradient all-reduce over "replicate" (R > 1; one replica issues none): each trainable unit's
-      reduce-scatter output, its padded gradient shard and the used-flag, g + 1 elements (the
-      counter), ring 2 (R - 1) / R (g + 1) p bytes sent per rank; Psi / S and
+      reduce-scatter output, its padded gradient shard and the used-flags, g + k elements (the
+      counter), ring 2 (R - 1) / R (g + k) p bytes sent per rank; Psi / S and
       2 Psi (R - 1) / (R S) summed, without padding and flags (design/notes/hybrid-sharding.md).
     - the small exchanges on CPU groups (int64, over "shard"): "headers", 2 elements before every
       data all-gather (S > 1; stage 2 after its first step, with the default ``max_unsharded`` and
@@ -343,20 +344,17 @@ def collectives_formula(
       (R S > 1; a real gloo run whose reduce-scatters all take the pairwise path, S > 1 and each
       at least ``collectives.PAIRWISE_MIN_BYTES`` a rank, counts only the first: these figures
       are the simulation's, whose fake group is not gloo) (design/notes/rank-agreement.md,
-      collective-schedule.md); and once per synced
-      backward over every rank (R S > 1), "grad_usage", one element per trainable parameter
-      (``trainable_params``): which parameters got a gradient (design/notes/unused-parameters.md).
-      It runs over the world group, not one axis: it is in the counter, not in the axes' wire bytes.
+      collective-schedule.md).
     """
     R, S = mesh.replicas, mesh.shards
     p = _compute_bytes(precision)
     ideal = shards_per_unit is None
-    units = [(psi / S, psi / S)] if shards_per_unit is None else shards_per_unit
+    units = [(psi / S, psi / S, 0)] if shards_per_unit is None else shards_per_unit
     tag = 0 if ideal else 1
     U = len(units)
     kept = set() if ideal else {0} | (set() if first_step else {U - 1})  # the root, the unit that ended the forward
     backward = [u for i, u in enumerate(units) if stage == 3 and i not in kept]
-    trainable = [g for _, g in units if g > 0]
+    trainable = [g + k for _, g, k in units if g > 0]  # each unit's gradient shard and its used-flags
     gathers = list(units) + backward
 
     def row(calls: int, elements: float, element_bytes: int, wire_elements: float) -> dict:
@@ -364,9 +362,9 @@ def collectives_formula(
                 "wire_bytes": wire_elements * element_bytes}
 
     shard_axis = {
-        "all_gather": {**row(len(gathers), sum(n + tag for n, _ in gathers), p, (S - 1) * sum(n + tag for n, _ in gathers)),
+        "all_gather": {**row(len(gathers), sum(n + tag for n, _, _ in gathers), p, (S - 1) * sum(n + tag for n, _, _ in gathers)),
                        "forward_calls": U, "backward_calls": len(backward)},
-        "reduce_scatter": row(len(trainable), S * sum(g + tag for g in trainable), p, (S - 1) * sum(g + tag for g in trainable)),
+        "reduce_scatter": row(len(trainable), S * sum(trainable), p, (S - 1) * sum(trainable)),
     }
     if not ideal and S > 1:  # CPU process groups only (the simulation's)
         # Stage 2 after its first step: the root's header, then one for every other unit's gather,
@@ -375,17 +373,14 @@ def collectives_formula(
         shard_axis["headers"] = row(n, 2 * n, 8, 2 * (S - 1) * n)
     if not ideal and R * S > 1:
         shard_axis["counts"] = row(U, 2 * U, 8, 2 * (S - 1) * U)
-    reduced = sum(g + tag for g in trainable)
+    reduced = sum(trainable)
     # one replica (R = 1): no all-reduce over the replicate axis (the core skips it)
     replicate_axis = {"replicate_all_reduce": row(len(trainable), reduced, p, 2 * (R - 1) / R * reduced)} if R > 1 else {}
     counter: dict[str, float] = {}
     for axis in (shard_axis, replicate_axis):
         for kind, r in axis.items():
             counter[kind], counter[kind + "_calls"] = r["elements"], r["calls"]
-    if not ideal and R * S > 1 and trainable_params:
-        counter["grad_usage"], counter["grad_usage_calls"] = trainable_params, 1
     counter["bytes"] = sum(r["bytes"] for axis in (shard_axis, replicate_axis) for r in axis.values())
-    counter["bytes"] += 8 * counter.get("grad_usage", 0)
     return {"shard": shard_axis, "replicate": replicate_axis, "counter": counter,
             "wire_bytes": {"shard": sum(r["wire_bytes"] for r in shard_axis.values()),
                            "replicate": sum(r["wire_bytes"] for r in replicate_axis.values())},
@@ -533,7 +528,7 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
             optim=8 * shard_elems,
         )
     if mesh is not None:
-        out["shards_per_unit"] = [(h.layout.shard_numel, h.layout.grad_shard_numel) for h in model.units]
+        out["shards_per_unit"] = [(h.layout.shard_numel, h.layout.grad_shard_numel, h.layout.num_trainable) for h in model.units]
         out["padding_per_unit"] = [h.layout.shard_numel - sum(s.dim0 * s.inner for s in h.layout.slots) / shards
                                    for h in model.units]
         out["step"] = train_steps(model, steps, tokens)
@@ -782,16 +777,13 @@ def main(argv: list[str] | None = None) -> dict:
         per_unit = None
         if args.model:
             layouts = unit_layouts(SHAPES[args.model], mesh.shards)
-            per_unit = [(la.shard_numel, la.grad_shard_numel) for la in layouts]
-            trainable_params = sum(la.num_trainable for la in layouts)
+            per_unit = [(la.shard_numel, la.grad_shard_numel, la.num_trainable) for la in layouts]
             result["padding_elements_per_rank"] = sum(la.shard_numel for la in layouts) - psi / mesh.shards
-        else:
-            trainable_params = 0
         result["collectives_formula"] = {
-            stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage, trainable_params=trainable_params)
+            stage: collectives_formula(per_unit, psi, mesh, args.mixed_precision, stage)
             for stage in (1, 2, 3)}
         result["collectives_formula_first_step"] = collectives_formula(
-            per_unit, psi, mesh, args.mixed_precision, 3, first_step=True, trainable_params=trainable_params)
+            per_unit, psi, mesh, args.mixed_precision, 3, first_step=True)
         try:
             result["step_time"] = _step_time(args, mesh, psi, unit, per_unit)
         except ValueError as exc:  # --intra-gbps calibrated without a usable file
@@ -878,7 +870,7 @@ def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> No
     ideal = " (ideal: --params has no units, so no padding, no tags, no unit kept for backward)" if f["ideal"] else ""
     print(f"\ncollectives of one stage-{stage} training step after the first, per rank{ideal}: counter = input "
           f"elements per rank as shardwrap.collectives.count_collectives() counts them (an all-gather its shard and "
-          f"tag, a reduce-scatter its whole input, the all-reduce over replicas the reduced shard and its flag); "
+          f"tag, a reduce-scatter its whole input, the all-reduce over replicas the reduced shard and its used-flags); "
           f"wire = GiB each rank receives (all-gather) or sends (reduce-scatter, all-reduce) with ring algorithms")
     cols = ["axis", "collective", "calls", "counter elements", "counter GiB", "wire GiB"]
     if st is not None:
@@ -921,7 +913,7 @@ def _print_collectives(args: argparse.Namespace, mesh: Mesh, result: dict) -> No
               f"simulation {st['peak_rss_bytes'] / GiB:.1f} GiB")
 
 
-def _step_time(args: argparse.Namespace, mesh: Mesh, psi: int, unit: int, per_unit: list[tuple[int, int]] | None) -> dict:
+def _step_time(args: argparse.Namespace, mesh: Mesh, psi: int, unit: int, per_unit: list[tuple[int, int, int]] | None) -> dict:
     """``step_time_model`` at ``mesh`` and, for R > 1, at the 1-D mesh 1xW of the same W (steady
     state, stage ``--stage``), each with its peak bytes per rank (``formula`` at its S), and the
     bandwidths and ranks per node used and where each came from."""
@@ -942,7 +934,7 @@ def _step_time(args: argparse.Namespace, mesh: Mesh, psi: int, unit: int, per_un
     for m in [mesh, *([Mesh(1, mesh.world)] if mesh.replicas > 1 else [])]:
         units = per_unit
         if m is not mesh and args.model:
-            units = [(la.shard_numel, la.grad_shard_numel) for la in unit_layouts(SHAPES[args.model], m.shards)]
+            units = [(la.shard_numel, la.grad_shard_numel, la.num_trainable) for la in unit_layouts(SHAPES[args.model], m.shards)]
         row = step_time_model(collectives_formula(units, psi, m, args.mixed_precision, args.stage), m, intra, inter, nodes)
         # what the hybrid mesh pays instead: the model state at S, not at W
         row["peak_bytes"] = formula(psi, unit, m.shards, args.mixed_precision, args.max_unsharded)[args.stage]["total"]

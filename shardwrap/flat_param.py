@@ -191,12 +191,12 @@ class FlatLayout:
         torch.split_with_sizes_copy(rows, self.chunk_sizes, dim=1, out=outs)
 
     def pack_for_reduce_scatter(self, padded_grad: torch.Tensor, out: torch.Tensor) -> None:
-        """Parameter-major padded gradient -> rank-major ``out`` (``W`` rows of ``S_grad + 1``).
+        """Parameter-major padded gradient -> rank-major ``out`` (``W`` rows of ``S_grad + k``).
 
-        The last column (the used-flag) is left to the caller.
+        The last ``k`` columns (the used-flags, one per trainable parameter) are left to the caller.
         """
         W, n = self.world_size, self.num_trainable
-        rows = out.view(W, self.grad_shard_numel + 1).narrow(1, 0, self.grad_shard_numel)
+        rows = out.view(W, -1).narrow(1, 0, self.grad_shard_numel)
         pieces = padded_grad.split(self.padded_sizes[:n])
         torch.cat([p.view(W, c) for p, c in zip(pieces, self.chunk_sizes[:n])], dim=1, out=rows)
         for s in self.slots[:n]:

@@ -1147,24 +1147,17 @@ class ShardedModule(nn.Module):
             self._replicas_started += 1
 
     def _settle_unused_grads(self) -> None:
-        """After a backward that reduced: every rank's record of which parameters a gradient
-        reached (one small all-gather), so that a parameter no rank used keeps ``p.grad`` None
-        rather than the zeros its unit's flat gradient gave it (design/notes/unused-parameters.md)."""
+        """After a backward that reduced: which parameters some rank's backward reached, from the
+        used-flags that rode in each unit's reduce-scatter (one host read for every unit), so that
+        a parameter no rank used keeps ``p.grad`` None rather than the zeros its unit's flat
+        gradient gave it (design/notes/unused-parameters.md)."""
         units = [u for u in self._units if u.layout.num_trainable]
-        mine = [flag for u in units for flag in u.grad_usage()]
-        if not mine:
-            return
-        if collectives.world_size() > 1:
-            rows = collectives.all_gather_ints(mine, self.world_group, what="the exchange of which parameters got a gradient",
-                                               kind="grad_usage")
-            anywhere = [any(column) for column in zip(*rows)]
-        else:
-            anywhere = [bool(flag) for flag in mine]
-        start = 0
-        for unit in units:
+        usage = [(u, u.take_usage()) for u in units]
+        summed = [t.float() for _, t in usage if t is not None]
+        counts = iter(torch.cat(summed).tolist() if summed else [])
+        for unit, t in usage:
             n = unit.layout.num_trainable
-            unit.settle_unused_grads(anywhere[start : start + n])
-            start += n
+            unit.settle_unused_grads([next(counts) > 0 for _ in range(n)] if t is not None else [False] * n)
 
     def _finish_backward(self) -> None:
         """End of backward: issue whatever this rank's graph skipped (all-gathers, reduce-scatters

@@ -303,7 +303,7 @@ class _Reduction:
     output: torch.Tensor
     input: torch.Tensor | None  # must live until the collective completes (then dropped: it is the unit's full gradient)
     done: Callable[[], bool] | None
-    used_here: bool  # this rank's backward reached the unit
+    used_here: bool  # this rank's backward reached the unit (its flags are this rank's _grad_used)
     shard_done: bool = False  # the reduce-scatter over the shard axis finished (hybrid: the all-reduce follows)
     replica_work: collectives.Work | None = None  # hybrid: the all-reduce over the replicate axis
 
@@ -388,9 +388,12 @@ class Unit:
         self._reduction: _Reduction | None = None  # while IN_FLIGHT
         self._gathered_version = -1  # the shard's version when it was last gathered
         self._writes = 0  # writes into the shard that bypass the parameters (loads)
-        # Per trainable parameter: whether a gradient reached its view since the last reduction,
-        # and the parameters whose p.grad the last finish_grad created (see settle_unused_grads).
+        # Per trainable parameter: whether a gradient reached its view on this rank since the last
+        # reduce-scatter started (which carries these bits as its used-flags); the flags summed
+        # over every rank by this backward's reductions; and the parameters whose p.grad those
+        # reductions created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
+        self._usage: torch.Tensor | None = None
         self._fresh_grads: list[int] = []
         # Trainable parameters some rank's forward used in the backward that last reduced: their
         # post-accumulate-grad hooks are due (run_grad_hooks).
@@ -809,23 +812,24 @@ class Unit:
             if grad_outputs[2 * i] is not None:
                 used[i] = True
 
-    def grad_usage(self) -> list[int]:
-        """Per trainable parameter, 1 if a gradient reached it on this rank since the last
-        reduction (all ``no_sync`` micro-batches included), else 0."""
-        return [int(u) for u in self._grad_used]
+    def take_usage(self) -> torch.Tensor | None:
+        """Per trainable parameter, how many ranks' backwards reached it, summed over this
+        backward's reduce-scatters (their used-flags, in ``reduce_dtype``): None if none finished
+        with a gradient; cleared."""
+        usage, self._usage = self._usage, None
+        return usage
 
     def settle_unused_grads(self, used_anywhere: Sequence[bool]) -> None:
-        """After a reduction: a parameter whose ``p.grad`` that reduction created, but that no
-        rank's forward used, gets ``p.grad = None`` back, as in plain PyTorch, where an optimizer
-        then leaves it alone (no momentum, no weight decay). The reduction gave it zeros: the
-        flat gradient covers the whole unit."""
+        """At the end of a backward that reduced: a parameter whose ``p.grad`` a reduction
+        created, but that no rank's forward used, gets ``p.grad = None`` back, as in plain
+        PyTorch, where an optimizer then leaves it alone (no momentum, no weight decay). The
+        reduction gave it zeros: the flat gradient covers the whole unit."""
         for i in self._fresh_grads:
             if not used_anywhere[i]:
                 self.sharded_params[i].grad = None
         # A parameter some rank used was reduced and got its p.grad here, unless frozen since wrapping
         self._hooks_due = [i for i, used in enumerate(used_anywhere) if used and self.sharded_params[i].requires_grad]
         self._fresh_grads = []
-        self._grad_used = [False] * len(self._grad_used)
 
     def run_grad_hooks(self) -> None:
         """The end of a backward that reduced: each parameter whose gradient it delivered (and
@@ -1064,7 +1068,7 @@ class Unit:
         self._reentered = 0
         self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
-        self._fresh_grads, self._grad_used = [], [False] * len(self._grad_used)
+        self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), None
         self._hooks_due = []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
@@ -1230,8 +1234,9 @@ class Unit:
 
     def pack_grad(self) -> None:
         """ACCUMULATING -> PACKED: move the unsharded gradient, rank-major and in
-        ``reduce_dtype``, into the reduce-scatter input with the used-flag set; then free it (or
-        zero it, when the stage keeps it). A PACKED unit adds the new gradient to its packed one."""
+        ``reduce_dtype``, into the reduce-scatter input (its used-flag columns zero until the
+        reduce-scatter starts); then free it (or zero it, when the stage keeps it). A PACKED unit
+        adds the new gradient to its packed one."""
         accumulated, self._accumulated = self._accumulated, None
         if self._grad is GradState.PACKED and self.unsharded_trainable.grad is None and accumulated is None:
             return
@@ -1253,9 +1258,9 @@ class Unit:
             if grad is not None:
                 leaf.grad = None
             return
-        packed = torch.empty(W * (layout.grad_shard_numel + 1), dtype=self.reduce_dtype, device=self.device)
+        packed = torch.empty(W * (layout.grad_shard_numel + layout.num_trainable), dtype=self.reduce_dtype, device=self.device)
         layout.pack_for_reduce_scatter(total, packed)
-        packed.view(W, -1)[:, -1] = 1.0  # used-flag: this rank's backward reached the unit
+        packed.view(W, -1)[:, layout.grad_shard_numel :] = 0.0  # the used-flags: reduce_scatter_grad writes them
         if self._packed is not None:
             packed += self._packed
         self._packed, self._grad = packed, GradState.PACKED
@@ -1266,30 +1271,34 @@ class Unit:
 
     def reduce_scatter_grad(self) -> None:
         """PACKED or NONE -> IN_FLIGHT: start the reduce-scatter (asynchronous, on the reduce
-        group). A rank whose backward did not reach the unit (NONE) contributes zeros with a zero
-        used-flag, so the collective still pairs up."""
+        group). Every rank's part carries the used-flags, one per trainable parameter: 1 where
+        this rank's backward reached it since the last reduce-scatter, so each rank's output
+        ends with how many ranks did (design/notes/unused-parameters.md). A rank whose backward
+        did not reach the unit (NONE) contributes zeros and zero flags, so the collective still
+        pairs up."""
         self._expect_grad("start its reduce-scatter", GradState.PACKED, GradState.NONE, GradState.REDUCED)
-        W, S = self.world_size, self.layout.grad_shard_numel
+        W, S, n = self.world_size, self.layout.grad_shard_numel, self.layout.num_trainable
         packed, used_here = self._packed, self._packed is not None
         self._packed = None
-        output = torch.empty(S + 1, dtype=self.reduce_dtype, device=self.device)
+        flags = torch.tensor(self._grad_used, dtype=self.reduce_dtype, device=self.device)
+        self._grad_used = [False] * n
+        output = torch.empty(S + n, dtype=self.reduce_dtype, device=self.device)
         if self._reduces_directly():
             # Rank r is sent its chunk of each parameter's gradient straight from the
-            # parameter-major sum, and the used-flag; the chunks arrive in this rank's shard
+            # parameter-major sum, and the used-flags; the chunks arrive in this rank's shard
             # layout (design/notes/cpu-collectives.md).
             if packed is None:
                 packed = torch.zeros(W * S, dtype=self.reduce_dtype, device=self.device)
-            flag = torch.full((1,), float(used_here), dtype=self.reduce_dtype, device=self.device)
-            n = self.layout.num_trainable
             slots = self.layout.slots[:n]
             rows = [piece.view(W, c) for piece, c in zip(packed.split(self.layout.padded_sizes[:n]), self.layout.chunk_sizes[:n])]
             # A 0-dim parameter's gradient is in row 0; every rank's copy gets the sum of row 0s.
-            sends = [[row[0 if s.replicated else r] for row, s in zip(rows, slots)] + [flag] for r in range(W)]
-            outs = [output.narrow(0, s.shard_offset, s.chunk_numel) for s in slots] + [output.narrow(0, S, 1)]
+            sends = [[row[0 if s.replicated else r] for row, s in zip(rows, slots)] + [flags] for r in range(W)]
+            outs = [output.narrow(0, s.shard_offset, s.chunk_numel) for s in slots] + [output.narrow(0, S, n)]
             work = collectives.reduce_scatter_pieces(outs, sends, self.reduce_group, async_op=True)
         else:
             if packed is None:
-                packed = torch.zeros(W * (S + 1), dtype=self.reduce_dtype, device=self.device)
+                packed = torch.zeros(W * (S + n), dtype=self.reduce_dtype, device=self.device)
+            packed.view(W, S + n)[:, S:] = flags
             work = collectives.reduce_scatter(output, packed, self.reduce_group, async_op=True)
         self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here)
         self._grad = GradState.IN_FLIGHT
@@ -1301,7 +1310,7 @@ class Unit:
         Stage 1 keeps packing: its persistent gradient buffer is zeroed right after the pack."""
         if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
             return False
-        shard_bytes = (self.layout.grad_shard_numel + 1) * self.reduce_dtype.itemsize
+        shard_bytes = (self.layout.grad_shard_numel + self.layout.num_trainable) * self.reduce_dtype.itemsize
         return collectives.sends_pieces(self.reduce_group, self.device, shard_bytes, self.layout.num_trainable + 1)
 
     def finish_grad_beside_compute(self) -> bool:
@@ -1344,8 +1353,8 @@ class Unit:
         its own receives tell when every peer has started it. The same answer on every rank."""
         if self._reduces_directly():
             return True
-        W, S = self.world_size, self.layout.grad_shard_numel
-        return collectives.uses_pairwise(self.reduce_group, self.device, W * (S + 1) * self.reduce_dtype.itemsize)
+        W, S = self.world_size, self.layout.grad_shard_numel + self.layout.num_trainable
+        return collectives.uses_pairwise(self.reduce_group, self.device, W * S * self.reduce_dtype.itemsize)
 
     def reduce_started_everywhere(self) -> bool:
         """Whether every peer is known to have started the reduce-scatter in flight: its receives
@@ -1373,7 +1382,7 @@ class Unit:
         return r is not None and r.shard_done
 
     def start_replica_reduction(self) -> None:
-        """Hybrid: start the all-reduce of the reduced shard and its used-flag over the replicate
+        """Hybrid: start the all-reduce of the reduced shard and its used-flags over the replicate
         axis (asynchronous, on the replicate group). The root starts these in one fixed unit
         order, the same on every replica (design/notes/hybrid-sharding.md)."""
         r = self._reduction
@@ -1394,10 +1403,12 @@ class Unit:
                 raise RuntimeError(f"rank {collectives.rank()}: unit '{self.name}': its all-reduce over replicas was never started")
             collectives.wait(r.replica_work, self._where("all-reduce over replicas"))
         self._reduction = None
-        reduced, S = r.output, self.layout.grad_shard_numel
+        reduced, S, n = r.output, self.layout.grad_shard_numel, self.layout.num_trainable
         self._grad = GradState.REDUCED
-        if not r.used_here and reduced[S].item() == 0:  # hybrid: summed over every replica too
+        flags = reduced.narrow(0, S, n)  # how many ranks used each parameter (hybrid: every replica's too)
+        if not r.used_here and not bool(flags.any()):
             return
+        self._usage = flags.clone() if self._usage is None else self._usage.add_(flags)
         if self.store is not None:  # the gradient shard goes to the offload side at once
             sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:

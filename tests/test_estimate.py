@@ -229,10 +229,11 @@ def test_max_unsharded_below_one_is_a_usage_error(capsys):
 # ---- --mesh RxS: hybrid meshes and the collectives of one step --------------------------------
 
 
-def _padded_shards(shape_name: str, shards: int) -> list[tuple[int, int]]:
+def _padded_shards(shape_name: str, shards: int) -> list[tuple[int, int, int]]:
     """Per unit (root first, then the blocks), its padded shard elements per rank at ``shards``,
     written out from the parameter shapes: every parameter's dim 0 rounded up to a multiple of
-    S, divided by S, times the elements of a row (all parameters train)."""
+    S, divided by S, times the elements of a row (all parameters train), twice (the trainable
+    prefix is all of it), and its number of parameters (one used-flag each)."""
     from shardwrap import estimate as est
 
     model = est.build_on_meta(est.SHAPES[shape_name])
@@ -242,35 +243,36 @@ def _padded_shards(shape_name: str, shards: int) -> list[tuple[int, int]]:
     def padded(params) -> int:
         return sum(-(-(p.shape[0] if p.dim() else 1) // shards) * (p[0].numel() if p.dim() else 1) for p in params)
 
-    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
-    return [(root, root)] + [(padded(b.parameters()),) * 2 for b in blocks]
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    return [(padded(root), padded(root), len(root))] + [(padded(b.parameters()),) * 2 + (len(list(b.parameters())),) for b in blocks]
 
 
 def test_collectives_formula_at_a_hand_checkable_size():
-    """Three units with padded shards of 10, 6 and 6 elements (the last with 4 trainable), R = 4
-    replicas of S = 8 shards, fp32 (4 bytes), stage 3, per rank:
+    """Three units with padded shards of 10, 6 and 6 elements (the last with 4 trainable), of 3, 1
+    and 2 trainable parameters, R = 4 replicas of S = 8 shards, fp32 (4 bytes), stage 3, per rank:
 
     - all-gathers: forward all three (11 + 7 + 7 = 25 elements with the tags); backward only the
       middle unit (the root and the unit that ended the forward stay gathered): 7; 32 in 4 calls,
       wire 7 * 32 * 4 bytes received;
-    - reduce-scatters: 8 * (11 + 7 + 5) = 184 elements in 3 calls, wire 7 * 23 * 4 bytes sent;
-    - all-reduce over replicate: the reduced shards and flags, 11 + 7 + 5 = 23 elements, wire
-      2 * 3/4 * 23 * 4 = 138 bytes;
+    - reduce-scatters, the gradient shards and a used-flag per trainable parameter:
+      8 * (13 + 7 + 6) = 208 elements in 3 calls, wire 7 * 26 * 4 bytes sent;
+    - all-reduce over replicate: the reduced shards and flags, 13 + 7 + 6 = 26 elements, wire
+      2 * 3/4 * 26 * 4 = 156 bytes;
     - headers 2 elements per gather, counts 2 per unit in backward.
     """
     from shardwrap import estimate as est
 
-    units, mesh = [(10, 10), (6, 6), (6, 4)], est.Mesh(4, 8)
+    units, mesh = [(10, 10, 3), (6, 6, 1), (6, 4, 2)], est.Mesh(4, 8)
     f = est.collectives_formula(units, 22, mesh, "none", 3)
     ag, rs, ar = f["shard"]["all_gather"], f["shard"]["reduce_scatter"], f["replicate"]["replicate_all_reduce"]
     assert (ag["calls"], ag["forward_calls"], ag["backward_calls"], ag["elements"]) == (4, 3, 1, 32)
     assert ag["bytes"] == 4 * 32 and ag["wire_bytes"] == 7 * 32 * 4
-    assert (rs["calls"], rs["elements"], rs["wire_bytes"]) == (3, 184, 7 * 23 * 4)
-    assert (ar["calls"], ar["elements"], ar["wire_bytes"]) == (3, 23, 138)
-    assert f["counter"] == {"all_gather": 32, "all_gather_calls": 4, "reduce_scatter": 184, "reduce_scatter_calls": 3,
+    assert (rs["calls"], rs["elements"], rs["wire_bytes"]) == (3, 208, 7 * 26 * 4)
+    assert (ar["calls"], ar["elements"], ar["wire_bytes"]) == (3, 26, 156)
+    assert f["counter"] == {"all_gather": 32, "all_gather_calls": 4, "reduce_scatter": 208, "reduce_scatter_calls": 3,
                             "headers": 8, "headers_calls": 4, "counts": 6, "counts_calls": 3,
-                            "replicate_all_reduce": 23, "replicate_all_reduce_calls": 3,
-                            "bytes": 4 * (32 + 184 + 23) + 8 * (8 + 6)}
+                            "replicate_all_reduce": 26, "replicate_all_reduce_calls": 3,
+                            "bytes": 4 * (32 + 208 + 26) + 8 * (8 + 6)}
     first = est.collectives_formula(units, 22, mesh, "none", 3, first_step=True)["shard"]["all_gather"]
     assert (first["calls"], first["elements"]) == (5, 39)  # the last unit is gathered again
     for stage in (1, 2):  # no gathers in backward
@@ -278,7 +280,7 @@ def test_collectives_formula_at_a_hand_checkable_size():
     # stage 2 gathers every unit after the root at once, under one header (not in its first step)
     assert [est.collectives_formula(units, 22, mesh, "none", 2, first_step=f)["shard"]["headers"]["calls"] for f in (False, True)] == [2, len(units)]
     bf16 = est.collectives_formula(units, 22, mesh, "bf16", 3)
-    assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 69
+    assert bf16["shard"]["all_gather"]["bytes"] == 2 * 32 and bf16["replicate"]["replicate_all_reduce"]["wire_bytes"] == 78
     one = est.collectives_formula(units, 22, est.Mesh(1, 8), "none", 3)
     assert one["replicate"] == {} and "replicate_all_reduce" not in one["counter"]  # R = 1: nothing to sum, none issued
 
@@ -298,7 +300,8 @@ def test_mesh_formula_is_the_ideal_one_plus_padding_and_tags(model, mesh, capsys
     one_d = est.main(["--model", model, "--world-size", str(S), "--mixed-precision", "bf16", "--json"])
     capsys.readouterr()
     assert r["formula"] == one_d["formula"]
-    assert pad == sum(n for n, _ in _padded_shards(model, S)) - psi / S
+    assert pad == sum(n for n, _, _ in _padded_shards(model, S)) - psi / S
+    flags = sum(k for _, _, k in _padded_shards(model, S))  # one used-flag per parameter
     f = r["collectives_formula"][3]
     ag, ar = f["shard"]["all_gather"], f["replicate"]["replicate_all_reduce"]
     assert (ag["forward_calls"], ag["backward_calls"]) == (U, U - 2)
@@ -307,8 +310,8 @@ def test_mesh_formula_is_the_ideal_one_plus_padding_and_tags(model, mesh, capsys
     last = _padded_shards(model, S)[-1][0]
     assert ag["elements"] == pytest.approx(forward_pass + forward_pass - (root + 1) - (last + 1))
     assert ag["wire_bytes"] == pytest.approx(2 * (S - 1) * ag["elements"])
-    assert ar["elements"] == pytest.approx(psi / S + pad + U)  # the used-flags
-    assert ar["wire_bytes"] == pytest.approx(2 * 2 * (R - 1) / (R * S) * (psi + S * (pad + U)))
+    assert ar["elements"] == pytest.approx(psi / S + pad + flags)  # the used-flags
+    assert ar["wire_bytes"] == pytest.approx(2 * 2 * (R - 1) / (R * S) * (psi + S * (pad + flags)))
 
 
 @pytest.mark.parametrize("mesh", ["8x128", "16x256"])  # W = 1,024 and 4,096
@@ -321,18 +324,18 @@ def test_simulated_hybrid_step_matches_the_formula_exactly(mesh):
     padded = _padded_shards("gpt2", S)
     assert sim["psi"] == psi and sim["units"] == 13
     assert [tuple(u) for u in sim["shards_per_unit"]] == padded
-    assert sim["shard_bytes"] == 4 * sum(n for n, _ in padded)
+    assert sim["shard_bytes"] == 4 * sum(n for n, _, _ in padded)
     assert sim["padding_elements_per_rank"] == pytest.approx(r["padding_elements_per_rank"])
-    assert sim["padding_elements_per_rank"] == pytest.approx(sum(n for n, _ in padded) - psi / S)
+    assert sim["padding_elements_per_rank"] == pytest.approx(sum(n for n, _, _ in padded) - psi / S)
     assert sim["padding_elements_per_rank"] > 0  # the vocabulary's 50257 rows
     step = sim["step"]
     want = r["collectives_formula"]["3"]["counter"]
     first, second = step["counters"]
     assert second == want, (second, want)
     assert first == r["collectives_formula_first_step"]["counter"], first
-    assert want["replicate_all_reduce"] == sum(g + 1 for _, g in padded)
-    assert want["all_gather"] == 2 * sum(n + 1 for n, _ in padded) - (padded[0][0] + 1) - (padded[-1][0] + 1)
-    assert want["reduce_scatter"] == S * sum(g + 1 for _, g in padded)
+    assert want["replicate_all_reduce"] == sum(g + k for _, g, k in padded)
+    assert want["all_gather"] == 2 * sum(n + 1 for n, _, _ in padded) - (padded[0][0] + 1) - (padded[-1][0] + 1)
+    assert want["reduce_scatter"] == S * sum(g + k for _, g, k in padded)
     # after the step: fp32 master shards, gradient shards and AdamW state of rank 0
     state, shard = step["model_state"], sim["shard_bytes"]
     assert shard <= state["params"] <= shard + 4 * sim["units"]  # and each unit's tag
@@ -409,22 +412,22 @@ def test_a_simulated_step_that_cannot_fit_is_refused_before_it_starts(monkeypatc
 def test_step_time_is_wire_bytes_over_the_link_by_hand():
     """The hand-checkable case above (R = 4, S = 8, fp32, stage 3) with 8 ranks per node: the shard
     groups are nodes (intra, 2 GB/s), the replicate groups cross them (inter, 0.5 GB/s). Seconds:
-    all-gather 7 * 32 * 4 / 2e9, reduce-scatter 7 * 23 * 4 / 2e9, all-reduce 138 / 0.5e9."""
+    all-gather 7 * 32 * 4 / 2e9, reduce-scatter 7 * 26 * 4 / 2e9, all-reduce 156 / 0.5e9."""
     from shardwrap import estimate as est
 
-    units, mesh = [(10, 10), (6, 6), (6, 4)], est.Mesh(4, 8)
+    units, mesh = [(10, 10, 3), (6, 6, 1), (6, 4, 2)], est.Mesh(4, 8)
     f = est.collectives_formula(units, 22, mesh, "none", 3)
     t = est.step_time_model(f, mesh, intra_gbps=2.0, inter_gbps=0.5, ranks_per_node=8)
     assert t["links"] == {"shard": "intra", "replicate": "inter"}
     assert t["seconds"]["all_gather"] == pytest.approx(7 * 32 * 4 / 2e9)
-    assert t["seconds"]["reduce_scatter"] == pytest.approx(7 * 23 * 4 / 2e9)
-    assert t["seconds"]["replicate_all_reduce"] == pytest.approx(138 / 0.5e9)
-    assert t["comm_seconds"] == pytest.approx((7 * 32 * 4 + 7 * 23 * 4) / 2e9 + 138 / 0.5e9)
-    assert t["wire_bytes"] == {"intra": 7 * 55 * 4, "inter": 138}
+    assert t["seconds"]["reduce_scatter"] == pytest.approx(7 * 26 * 4 / 2e9)
+    assert t["seconds"]["replicate_all_reduce"] == pytest.approx(156 / 0.5e9)
+    assert t["comm_seconds"] == pytest.approx((7 * 32 * 4 + 7 * 26 * 4) / 2e9 + 156 / 0.5e9)
+    assert t["wire_bytes"] == {"intra": 7 * 58 * 4, "inter": 156}
     # 4 ranks a node: a shard group spans two nodes, so every collective runs at the inter-node link
     t4 = est.step_time_model(f, mesh, intra_gbps=2.0, inter_gbps=0.5, ranks_per_node=4)
     assert t4["links"] == {"shard": "inter", "replicate": "inter"}
-    assert t4["comm_seconds"] == pytest.approx((7 * 55 * 4 + 138) / 0.5e9)
+    assert t4["comm_seconds"] == pytest.approx((7 * 58 * 4 + 156) / 0.5e9)
 
 
 @pytest.mark.parametrize("mesh,nodes,links", [

@@ -84,7 +84,7 @@ def on_ranks_step_counts(c: Case) -> dict:
         "meshes": {tuple(p.device_mesh.shape) for p in params},
         "state_bytes": model_state_bytes(model, opt),
         "psi": psi,
-        "units": [(u.layout.shard_numel, u.layout.grad_shard_numel) for u in model.units],
+        "units": [(u.layout.shard_numel, u.layout.grad_shard_numel, u.layout.num_trainable) for u in model.units],
         "shard_size": model.shard_size,
         "replicate_size": model.replicate_size,
     }
@@ -93,8 +93,8 @@ def on_ranks_step_counts(c: Case) -> dict:
 def test_placements_memory_and_collectives_per_axis():
     """On 2x2: parameters are (Replicate(), Shard(0)) DTensors on the 2-D mesh; every rank holds
     the model state of a 1-D run at S (16 bytes per parameter / S, plus padding); the all-gathers
-    and reduce-scatters are exactly a 1-D run's at S, and each unit's reduced shard (and its flag)
-    is all-reduced over the replicate axis once."""
+    and reduce-scatters are exactly a 1-D run's at S, and each unit's reduced shard (and its
+    used-flags, one per trainable parameter) is all-reduced over the replicate axis once."""
     c = case(stage=3, optim="adamw", mesh=(2, 2))
     hybrid = run_on_ranks(4, on_ranks_step_counts, c)
     flat = run_on_ranks(2, on_ranks_step_counts, case(stage=3, optim="adamw"))
@@ -110,8 +110,8 @@ def test_placements_memory_and_collectives_per_axis():
         counts = r["counts"]
         for kind in ("all_gather", "reduce_scatter", "all_gather_calls", "reduce_scatter_calls"):
             assert counts.get(kind, 0) == flat[0]["counts"].get(kind, 0), kind
-        assert counts["replicate_all_reduce"] == sum(g + 1 for _, g in r["units"] if g > 0)
-        assert counts["replicate_all_reduce_calls"] == sum(1 for _, g in r["units"] if g > 0)
+        assert counts["replicate_all_reduce"] == sum(g + k for _, g, k in r["units"] if g > 0)
+        assert counts["replicate_all_reduce_calls"] == sum(1 for _, g, _ in r["units"] if g > 0)
         assert "replicate_all_reduce" not in flat[0]["counts"]
 
 

@@ -302,6 +302,16 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the process group's timeout."""
 
 
+# Every CollectiveTimeout and PeerLost raised in this process, in order (ShardedModule._recover
+# reads those raised since its failed step began)
+_fatal: list[str] = []
+
+
+def fatal_failures() -> list[str]:
+    """The messages of the collective timeouts and lost peers raised in this process so far."""
+    return _fatal
+
+
 class PeerLost(RuntimeError):
     """A collective failed because another rank's process went away: its connection closed
     (killed, out of memory, crashed, or its node or the network went down)."""
@@ -330,6 +340,7 @@ def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
         work.wait()
     except RuntimeError as exc:
         if what and lost_a_peer(exc):
+            _fatal.append(f"{what} failed: another rank's process went away, or its connection closed")
             raise PeerLost(
                 f"rank {rank()}: {what} failed: another rank's process went away (killed, out of memory, "
                 f"crashed, or its node or the network went down). Its own log, or the scheduler's, says why; "
@@ -338,6 +349,7 @@ def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
             ) from exc
         if not what or "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
+        _fatal.append(f"{what} timed out")
         raise CollectiveTimeout(
             f"rank {rank()}: {what} did not complete within the process group's timeout: another rank "
             f"stalled, died, or runs other collectives. Look at the other ranks' errors; if the delay is "

@@ -84,6 +84,16 @@ class CollectiveSchedule:
         self._reduce_pos = 0
         self._in_flight: list[tuple[int, Unit]] = []  # (position in the reduce sequence, unit)
         self._released = False  # a unit finished its backward: activations are being freed
+        # The first "ranks disagree" error: from then on the module issues no collective
+        # (ShardedModule.refuse_out_of_step; design/notes/rank-agreement.md, "After ranks disagreed")
+        self.fell_out: str | None = None
+
+    def out_of_step(self, message: str) -> RuntimeError:
+        """The ranks were found to disagree on the next collective: remember the first such error
+        (every later collective is refused) and return this one to raise."""
+        if self.fell_out is None:
+            self.fell_out = message
+        return RuntimeError(message)
 
     def clear(self) -> None:
         self.pre_forward.clear()
@@ -223,8 +233,9 @@ class CollectiveSchedule:
         collectives.wait(work, "a reduce-scatter count exchange in backward")
         kinds = counts[:, 0].tolist()
         if any(k != collectives.HEADER_COUNTS for k in kinds):
-            seen = ", ".join(f"rank {r}: {header_text(k, int(v))}" for r, (k, v) in enumerate(counts.tolist()))
-            raise RuntimeError(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
+            names = list(self._reduce[0].unit_names) if self._reduce else None
+            seen = ", ".join(f"rank {r}: {header_text(k, int(v), names)}" for r, (k, v) in enumerate(counts.tolist()))
+            raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
 
     def reductions_due(self) -> Iterator[Unit]:
         """Units whose reduce-scatter may start now, in order: each has its gradient packed and
@@ -258,6 +269,17 @@ class CollectiveSchedule:
             return None
         self._in_flight.pop(0)
         return oldest
+
+    def check_landed_exchanges(self) -> None:
+        """Check every count exchange that has already completed, in order (never waits; gloo's
+        all-gather says it completed without a ``wait()``): a peer whose small exchange met this
+        one's with another meaning (a header of its next forward: it left this backward out)
+        makes every rank raise before a reduce-scatter that peer will never issue
+        (design/notes/rank-agreement.md, "After ranks disagreed")."""
+        while self._exchanges and (self._exchanges[0][0] is None or self._exchanges[0][0].is_completed()):
+            work, counts = self._exchanges.popleft()
+            self._wait_exchange(work, counts)
+            self._started_everywhere = max(self._started_everywhere, int(counts[:, 1].min()))
 
     def _started_by_everyone(self, position: int) -> bool:
         """Whether every rank has started the reduce-scatter at ``position``, waiting for the count

@@ -678,6 +678,7 @@ class ShardedModule(nn.Module):
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self.expect_backward = False  # a unit's outputs require grad: a backward will follow
         self.steps_done = 0  # backward passes finished (error messages name the step)
+        self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
         self.sync = True  # False inside no_sync()
         self.offload = offload or Offload()
         if self.offload.enabled and device.type != "cpu" and collectives.carrier_device(self.world_group).type != "cpu":
@@ -1021,11 +1022,13 @@ class ShardedModule(nn.Module):
         """The root unit's forward starts: a new step's forward, unless one is still owed a
         backward (several forwards before one backward). A forward or backward that raised
         before it finished is cleaned up first."""
+        self.refuse_out_of_step("this forward")
         local_step.restore_failed_steps()
         for unit in self._units:
             unit.check_requires_grad()
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
             self._recover()
+        self._fatal_before = len(collectives.fatal_failures())
         if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
@@ -1037,12 +1040,18 @@ class ShardedModule(nn.Module):
         paired), drop every gradient it left pending, reshard every unit, and start afresh
         (design/notes/rank-agreement.md)."""
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
+        # A collective of the failed step timed out or lost its peer: gloo has closed the connection
+        # to that peer (after a timeout it does so itself), and a collective left in flight then
+        # may never finish, so none is waited for; and the ranks' sequences can no longer be
+        # trusted to pair, so nothing more is issued either (design/notes/rank-agreement.md).
+        fatal = collectives.fatal_failures()[self._fatal_before :]
+        timed_out = bool(fatal)
         # Every unit is cleaned up even if a wait in one of them fails; after a failure other than
         # a lost peer (a timeout) nothing more is waited for (Unit.abandon).
         failure: BaseException | None = None
         for unit in self._units:
             try:
-                unit.abandon(wait=failure is None or collectives.lost_a_peer(failure))
+                unit.abandon(wait=not timed_out and (failure is None or collectives.lost_a_peer(failure)))
             except Exception as exc:
                 failure = failure or exc
         self.spares.close()
@@ -1050,11 +1059,14 @@ class ShardedModule(nn.Module):
         self._replicas_started = 0
         try:
             # waits for the count exchanges still in flight
-            self.schedule.end_backward(wait=failure is None or collectives.lost_a_peer(failure))
+            self.schedule.end_backward(wait=not timed_out and (failure is None or collectives.lost_a_peer(failure)))
         except Exception as exc:
             failure = failure or exc
         self.expect_backward = False
         self._state = TrainingState.IDLE
+        if timed_out:
+            self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self.steps_done + 1}, {fatal[0]}")
+            self.refuse_out_of_step("this forward")
         if failure is not None:
             raise failure
         warnings.warn(
@@ -1101,6 +1113,7 @@ class ShardedModule(nn.Module):
         """Start ``unit``'s reduce-scatter after applying every earlier one that completed, then
         bound how many are in flight (waiting only for ones every rank started)."""
         self.apply_completed_reductions()
+        self.schedule.check_landed_exchanges()
         unit.reduce_scatter_grad()
         self.schedule.started(unit)
         unit.finish_grad_beside_compute()  # offload on a GPU: off to the host as soon as it is reduced
@@ -1272,7 +1285,24 @@ class ShardedModule(nn.Module):
 
     # ---- state dicts (shardwrap/state_dict.py) ------------------------------------------------
 
+    def refuse_out_of_step(self, what: str) -> None:
+        """Once the ranks were found out of step (a "ranks disagree" error on this rank, which
+        every rank of that collective raised too), refuse ``what`` before it issues a collective:
+        the ranks' sequences no longer line up, so later collectives would pair across different
+        steps (a silent wrong number) or meet a collective of another size (gloo aborts the
+        process) (design/notes/rank-agreement.md, "After ranks disagreed")."""
+        first = self.schedule.fell_out
+        if first is not None:
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: {what} refused: the ranks fell out of step earlier, "
+                f"so the collectives they issue no longer pair up (they would meet a peer's collective of "
+                f"another step, or of another size), and this ShardedModule issues none any more. End the "
+                f"run on every rank, fix what made one rank run another forward or backward (or stall), and "
+                f"restart from the last checkpoint. The first error was: {first}"
+            )
+
     def _check_idle(self, what: str) -> None:
+        self.refuse_out_of_step(what)
         if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
             raise RuntimeError(f"rank {collectives.rank()}: {what} called during forward or backward; call it between steps")
 

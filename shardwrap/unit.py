@@ -346,7 +346,7 @@ class Unit:
         self._root = root
         self.name = name
         self.index = index
-        self._unit_names = unit_names
+        self.unit_names = unit_names  # every unit's name, by index (error messages)
         self.mesh = mesh
         self.dtensor_mesh = dtensor_mesh if dtensor_mesh is not None else mesh
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, by (id(slot), dtype)
@@ -977,17 +977,19 @@ class Unit:
         peer is at another unit, another phase, a count exchange, or starts other gathers at
         once, every rank raises here instead of gloo aborting on a size mismatch
         (design/notes/rank-agreement.md). CPU only."""
+        if self._root.in_backward():  # a peer that left this backward out may have said so already
+            self._root.schedule.check_landed_exchanges()
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
         mine = [kind + (_digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
         rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
         if any(row != mine for row in rows):
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
 
-            texts = [header_text(k, v, list(self._unit_names)) for k, v in rows]
+            texts = [header_text(k, v, list(self.unit_names)) for k, v in rows]
             seen = ", ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
             if len(set(texts)) == 1:
                 seen += "; the same first unit and number on every rank, but other units after it"
-            raise RuntimeError(
+            raise self._root.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at {self._where('all-gather')} "
                 f"({seen}). {OUT_OF_STEP_HINT}"
             )
@@ -1105,9 +1107,9 @@ class Unit:
         tags = rows.tolist() if rows is not None else gathered.view(self.world_size, S + 1)[:, S].tolist()
         mine = send[S].item()
         if any(t != mine for t in tags):
-            names = [self._unit_names[int(t)] if 0 <= int(t) < len(self._unit_names) else f"#{t}" for t in tags]
+            names = [self.unit_names[int(t)] if 0 <= int(t) < len(self.unit_names) else f"#{t}" for t in tags]
             by_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
-            raise RuntimeError(
+            raise self._root.schedule.out_of_step(
                 f"shardwrap: ranks disagree on which unit to all-gather ({by_rank}). Every rank must "
                 f"run the same wrapped units in the same order in forward; move data-dependent "
                 f"branches inside one unit, or run every branch on every rank."

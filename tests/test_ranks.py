@@ -361,6 +361,63 @@ def test_one_extra_forward_on_one_rank_gives_the_answer_or_a_named_error(stage):
         assert_close_params(results[0]["full"][name], value, "sgd", EXTRA.steps, name)
 
 
+def on_ranks_go_on_after_disagreeing(stage: int, tmp: str) -> dict:
+    """Rank 0 alone runs an evaluation forward after step 0 (a bug: "log a sample on rank 0"); the
+    training loop catches each step's error and goes on, then saves. Every call's outcome, per rank."""
+    from shardwrap import ShardedModule, save_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(EXTRA, model)
+    outcomes: list[str] = []
+
+    def attempt(what, call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            call()
+            outcomes.append(f"{what}: ok")
+        except RuntimeError as exc:
+            outcomes.append(f"{what}: {exc}")
+
+    def step(i: int) -> None:
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(EXTRA, i).items()}
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and i == 0:
+            with torch.no_grad():
+                model.eval()
+                model(batch["x"])
+                model.train()
+
+    for i in range(4):
+        attempt(f"step {i}", lambda: step(i))
+    attempt("full_state_dict", model.full_state_dict)
+    attempt("clip_grad_norm_", lambda: model.clip_grad_norm_(1.0))
+    attempt("save_checkpoint", lambda: save_checkpoint(f"{tmp}/ckpt", model, opt))
+    return {"outcomes": outcomes}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_after_ranks_disagreed_every_later_call_is_refused_on_every_rank(stage, tmp_path):
+    """Once a header shows the ranks out of step, the module issues no collective again: a loop
+    that catches the error and goes on gets the same refusal on every rank for every later step,
+    state dict, clip and save, where its collectives paired across steps (a whole step trained on
+    one rank against another's evaluation) and then met a collective of another size (SIGABRT)."""
+    results = run_on_ranks(2, on_ranks_go_on_after_disagreeing, stage, str(tmp_path), timeout=120, pg_timeout=10)
+    firsts = []
+    for r in results:
+        outcomes = r["outcomes"]
+        first = next(i for i, o in enumerate(outcomes) if not o.endswith(": ok"))
+        # A rank that has not seen its peer's exchange yet waits for its next collective, which
+        # times out: then it refuses too, naming the timeout
+        firsts.append(outcomes[first])
+        assert "ranks disagree" in outcomes[first] or "did not complete within the process group's timeout" in outcomes[first], outcomes
+        later = outcomes[first + 1 :]
+        assert len(later) >= 3 and all("refused: the ranks fell out of step earlier" in o for o in later), outcomes
+    assert any("ranks disagree" in f for f in firsts), firsts
+    assert not (tmp_path / "ckpt").exists()
+
+
 def train_reference_steps(case: Case) -> dict:
     model = build_model(case)
     opt = build_optimizer(case, model)
@@ -385,6 +442,40 @@ def on_ranks_stalled_rank() -> str:
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def on_ranks_go_on_after_a_timeout() -> list[str]:
+    """Rank 1 stalls past the timeout in its first forward; then every rank tries a forward and a
+    full state dict more."""
+    import time
+
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block})
+    if dist.get_rank() == 1:
+        time.sleep(5)  # past the 2.5 s process-group timeout
+    errors = []
+    for call in (lambda: model(torch.randn(2, 16)), lambda: model(torch.randn(2, 16)), model.full_state_dict):
+        try:
+            call()
+            errors.append("no error")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_after_a_timeout_the_module_issues_no_collective():
+    """gloo closes its connection to a peer after a timeout, and a collective left in flight then
+    may never finish: the next forward waits for nothing and refuses, as does every later call,
+    naming the timeout (or, on the stalled rank, the connection its peer closed), instead of
+    hanging in the cleanup."""
+    # a pool of its own (another timeout): after a timeout gloo has closed the pool's connections
+    first, second = run_on_ranks(2, on_ranks_go_on_after_a_timeout, timeout=60, pg_timeout=2.5)
+    assert "did not complete within the process group's timeout" in first[0], first
+    assert "another rank's process went away" in second[0], second  # rank 0 closed the connection
+    for errors, cause in ((first, "timed out"), (second, "went away")):
+        for later in errors[1:]:
+            assert "refused: the ranks fell out of step earlier" in later and cause in later, errors
 
 
 def test_a_stalled_rank_gives_a_timeout_error_naming_the_unit_and_collective():

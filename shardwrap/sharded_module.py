@@ -158,6 +158,43 @@ _NOT_COPYABLE = (
 )
 
 
+class _InnerApply:
+    """A wrapped module's ``_apply`` (``.to()``, ``.double()``, ``.half()``... called on
+    ``model.module`` or any module inside it): the same probe as ``ShardedModule._apply``, over
+    that module's own parameters and buffers, so a conversion is refused before anything changes
+    (torch's ``_apply`` converted the buffers of the modules it reached first and then failed on
+    a DTensor parameter). Weak references: the module holds this object."""
+
+    def __init__(self, root: "ShardedModule", module: nn.Module, name: str) -> None:
+        self._root, self._module, self._name = weakref.ref(root), weakref.ref(module), name
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module | None:
+        root, module = self._root(), self._module()
+        if module is None:
+            return None
+        if root is None:  # the wrapper is gone: torch's own conversion
+            return type(module)._apply(module, fn, recurse)
+        root.refuse_conversion(fn, module, self._name)
+        return module
+
+
+class _InnerDeepcopy:
+    """``copy.deepcopy`` of a module inside a ShardedModule (``AveragedModel(model.module)``):
+    refused, as for the wrapper. The copy would hold this rank's shards and the wrapper's hooks,
+    could not run, and running it disturbed the wrapper's state."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(
+            _NOT_COPYABLE.format(what=f"copy.deepcopy of its module {self._name or '(model.module)'!r}")
+            + ". For an EMA, average full tensors (a copy of the unwrapped model loaded from "
+            "full_state_dict()) or keep the average as local tensors: torch._foreach_lerp_ over "
+            "model.parameters() works on the shards"
+        )
+
+
 def _show_inner_signature(wrapper: nn.Module, inner: nn.Module) -> None:
     """Give ``wrapper.forward`` the wrapped module's signature, so ``inspect.signature(model.forward)``
     (how HF Trainer and Lightning choose the dataset columns to keep) sees the model's arguments.
@@ -742,8 +779,11 @@ class ShardedModule(nn.Module):
         self._replicas_started = 0
         if self.mesh.size() > 1:
             collectives.broadcast_tensors(list(module.buffers()), self.world_group)
-        for sub in module.modules():
+        for name, sub in module.named_modules():
             _MANAGED_MODULES.add(sub)
+            if next(sub.parameters(), None) is not None:  # what holds shards refuses conversions and copies
+                sub.__dict__["_apply"] = _InnerApply(self, sub, name)
+                sub.__dict__["__deepcopy__"] = _InnerDeepcopy(name)
         if callable(getattr(module, "save_pretrained", None)):  # a Hugging Face model
             setattr(module, "save_pretrained", _guard_save_pretrained(getattr(module, "save_pretrained")))
         global _optimizer_hook_installed
@@ -766,13 +806,20 @@ class ShardedModule(nn.Module):
         tensor (Lightning's ``.to(device)`` on the device the model is on) does nothing; one that
         would change a dtype or a device is refused before anything moves. The parameters are
         DTensor views of each unit's flat shard; converting them one by one would cut them off it."""
+        self.refuse_conversion(fn, self, "")
+        return self
+
+    def refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, prefix: str) -> None:
+        """Raise ``TypeError`` if ``fn`` would change the dtype or device of a parameter or buffer
+        of ``module`` (this wrapper, or a module inside it named ``prefix``), trying it on an empty
+        tensor of each (dtype, device) found."""
         named: list[tuple[str, torch.dtype, torch.device]] = []
-        for n, t in self.named_parameters():
+        for n, t in module.named_parameters(prefix):
             found = self.unit_of(t)
             # an offloaded parameter is a host tensor, but the model computes on its unit's device:
             # ``.to(that device)`` moves nothing and must pass
             named.append((f"parameter '{n}'", t.dtype, found[0].device if found is not None else local_of(t).device))
-        named += [(f"buffer '{n}'", t.dtype, t.device) for n, t in self.named_buffers()]
+        named += [(f"buffer '{n}'", t.dtype, t.device) for n, t in module.named_buffers(prefix)]
         probes: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device]] = {}
         for what, dtype_, device_ in named:
             key = (dtype_, device_)
@@ -787,7 +834,6 @@ class ShardedModule(nn.Module):
                     f"before wrapping (model.to(...), then ShardedModule(model)); to compute in another dtype "
                     f"keep the fp32 master weights and pass mixed_precision=MixedPrecision(param_dtype=...)"
                 )
-        return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(_NOT_COPYABLE.format(what="copy.deepcopy"))

@@ -68,6 +68,7 @@ def on_ranks_refusals() -> dict:
     inner = models.mlp()
     frozen = inner.head.weight
     frozen.requires_grad_(False)
+    inner.blocks[0].register_buffer("scale", torch.ones(3))  # torch's _apply converts buffers first
     model = ShardedModule(inner, auto_wrap_policy={models.Block}, stage=3)
     before = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
     out: dict = {}
@@ -85,6 +86,16 @@ def on_ranks_refusals() -> dict:
     out["deepcopy"] = refused(lambda: copy.deepcopy(model))
     out["torch_save"] = refused(lambda: torch.save(model, io.BytesIO()))
     out["ddp"] = refused(lambda: nn.parallel.DistributedDataParallel(model))
+    # the same through the wrapped module and the modules inside it (model.module is the original)
+    out["inner_double"] = refused(lambda: model.module.double())
+    out["inner_to_dtype"] = refused(lambda: model.module.to(torch.float64))
+    out["block_double"] = refused(lambda: model.module.blocks[0].double())
+    out["inner_deepcopy"] = refused(lambda: copy.deepcopy(model.module))
+    out["block_deepcopy"] = refused(lambda: copy.deepcopy(model.module.blocks[1].up))
+    out["averaged"] = refused(lambda: torch.optim.swa_utils.AveragedModel(model.module))
+    out["buffer_dtype"] = str(model.module.blocks[0].scale.dtype)
+    model.module.to("cpu")
+    model.module.blocks[0].float()
     # device-only moves and no-op conversions keep working, and training goes on
     model.to("cpu")
     model.cpu()
@@ -109,6 +120,11 @@ def test_changes_after_wrapping_are_refused_with_what_to_do():
         for call in ("deepcopy", "torch_save"):
             assert r[call].startswith("TypeError") and "full_state_dict" in r[call] and "save_checkpoint" in r[call], r[call]
         assert r["ddp"].startswith("TypeError") and "stage=1" in r["ddp"], r["ddp"]
+        for call in ("inner_double", "inner_to_dtype", "block_double"):
+            assert r[call].startswith("TypeError") and "MixedPrecision" in r[call] and "before wrapping" in r[call], r[call]
+        for call, name in (("inner_deepcopy", "(model.module)"), ("block_deepcopy", "'blocks.1.up'"), ("averaged", "(model.module)")):
+            assert r[call].startswith("TypeError") and name in r[call] and "full_state_dict" in r[call], r[call]
+        assert r["buffer_dtype"] == "torch.float32", r  # refused before anything changed
         assert r["trains"] and r["unchanged"] and r["dtypes"] == ["torch.float32"], r
         assert r["unfreeze"].startswith("RuntimeError") and "'head.weight'" in r["unfreeze"], r["unfreeze"]
 

@@ -50,6 +50,7 @@ try:
         _sync_ddp_if_available,
     )
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -173,6 +174,17 @@ class ShardwrapStrategy(ParallelStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
+        if any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            # It copied the LightningModule before this wrap and would average the shards into
+            # that copy (DTensor: "mixed torch.Tensor and DTensor"); Lightning refuses it up front
+            # for its own FSDP and DeepSpeed strategies.
+            raise ValueError(
+                "StochasticWeightAveraging does not work with ShardwrapStrategy (as with Lightning's FSDP "
+                "and DeepSpeed strategies): it keeps a copy of the LightningModule made before wrapping and "
+                "averages the sharded parameters into it. Keep the average yourself: an EMA of the local "
+                "shards as tensors (torch._foreach_lerp_ over the module's parameters in "
+                "on_train_batch_end), or average full weights from trainer.strategy.sharded_module.full_state_dict()"
+            )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None

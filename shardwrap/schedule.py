@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 
 OUT_OF_STEP_HINT = (
     "Every rank must run the same forwards and backwards, in the same order, through the same "
-    "units: an extra forward, a skipped backward or a data-dependent branch on one rank breaks that"
+    "units: an extra forward, a skipped backward or a data-dependent branch on one rank breaks that "
+    "(a generation loop must go on until every rank is done, as Hugging Face's generate does with "
+    "synced_gpus=True, its default on a ShardedModule)"
 )
 
 
@@ -172,7 +174,7 @@ class CollectiveSchedule:
 
     def begin_backward(self, *, sync: bool) -> None:
         self._gather, self._gather_pos = self.post_forward[::-1], 0
-        self._reduce, self._reduce_pos = [u for u in self.pre_forward[::-1] if u.has_trainable], 0
+        self._reduce, self._reduce_pos = [u for u in self.pre_forward[::-1] if u.trains], 0
         self.prefetched.clear()
         self._released = False
         self._counting = sync and self.group is not None and collectives.world_size() > 1

@@ -594,6 +594,35 @@ def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
     return save_pretrained
 
 
+def _synced_generate(original: Callable[..., Any], world: int) -> Callable[..., Any]:
+    """HF's ``generate`` on a wrapped module: ``synced_gpus`` defaults to True on more than one
+    rank, as transformers sets it itself for a module that ``fully_shard`` or DeepSpeed ZeRO-3
+    manages. Without it a rank whose sequences all ended (an EOS) stops calling forward while its
+    peers go on, and the gathers of the next forward find the ranks out of step."""
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = world > 1
+        return original(*args, **kwargs)
+
+    return generate
+
+
+def _refuse_resize(name: str) -> Callable[..., NoReturn]:
+    """HF's ``resize_token_embeddings`` after wrapping: its copy of the old rows into the new
+    matrix failed inside transformers with a DTensor error (the model unchanged); say what to do."""
+
+    def resize_token_embeddings(*args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(
+            f"rank {collectives.rank()}: resize_token_embeddings on {name or 'the model'}, which ShardedModule "
+            f"has wrapped: its embedding is sharded, and each unit's layout was fixed at wrapping. Resize "
+            f"before wrapping (model.resize_token_embeddings(n), then ShardedModule(model, ...))"
+        )
+
+    return resize_token_embeddings
+
+
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -784,6 +813,10 @@ class ShardedModule(nn.Module):
             if next(sub.parameters(), None) is not None:  # what holds shards refuses conversions and copies
                 sub.__dict__["_apply"] = _InnerApply(self, sub, name)
                 sub.__dict__["__deepcopy__"] = _InnerDeepcopy(name)
+            if callable(getattr(sub, "generate", None)) and hasattr(sub, "generation_config"):  # a Hugging Face model
+                setattr(sub, "generate", _synced_generate(getattr(sub, "generate"), self.world_size))
+            if callable(getattr(sub, "resize_token_embeddings", None)):
+                setattr(sub, "resize_token_embeddings", _refuse_resize(name))
         if callable(getattr(module, "save_pretrained", None)):  # a Hugging Face model
             setattr(module, "save_pretrained", _guard_save_pretrained(getattr(module, "save_pretrained")))
         global _optimizer_hook_installed
@@ -1075,7 +1108,9 @@ class ShardedModule(nn.Module):
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
             self._recover()
         self._fatal_before = len(collectives.fatal_failures())
-        if not self.expect_backward:
+        if not self.expect_backward:  # (a graph still owed a backward keeps the leaves it was built on)
+            for unit in self._units:
+                unit.follow_requires_grad()
             self.schedule.clear()
         self.schedule.start_forward()
         self.spares.open()

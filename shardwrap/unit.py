@@ -455,6 +455,25 @@ class Unit:
     def has_trainable(self) -> bool:
         return self.layout.num_trainable > 0
 
+    @property
+    def trains(self) -> bool:
+        """Whether this step's backward may give the unit a gradient: it has trainable parameters
+        and not all of them were frozen after wrapping (``follow_requires_grad``)."""
+        return self.layout.num_trainable > 0 and self.unsharded_trainable.requires_grad
+
+    def follow_requires_grad(self) -> None:
+        """Between steps: the unsharded gradient leaf requires grad only while one of the unit's
+        trainable parameters does. A unit whose parameters were all frozen after wrapping then
+        computes like a frozen module (as under ``fully_shard``): its outputs need no gradient
+        unless its inputs do, nothing is saved for a backward, and no backward reaches it; an
+        all-frozen model's ``loss.backward()`` raises as the unwrapped model's does
+        (design/notes/after-wrapping.md)."""
+        n = self.layout.num_trainable
+        if n:
+            live = any(p.requires_grad for p in self.sharded_params[:n])
+            if self.unsharded_trainable.requires_grad != live:
+                self.unsharded_trainable.requires_grad_(live)
+
     def check_requires_grad(self) -> None:
         """Refuse a parameter frozen at wrapping that now requires grad: the flat layout put it
         among the unit's frozen parameters, which have no gradient storage. (Freezing a trainable
@@ -1134,6 +1153,9 @@ class Unit:
                 # before it allocates the flat gradient (design/notes/prefetch.md, "Resharding
                 # before the flat gradient").
                 split.register_prehook(_weak(self._views_done))
+            for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
+                if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
+                    views[i] = views[i].detach()
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
                 views[i] = slot.tp.view(views[i])

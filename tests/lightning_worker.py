@@ -150,6 +150,10 @@ def run(out: str, devices: int, spec: str) -> None:
     name, strategy, optimizer, *rest = spec.split(":")
     options = dict(o.split("=", 1) for o in rest)
     callbacks: list[Callback] = [Record()]
+    if "swa" in options:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))
     if "save" in options:
         callbacks.append(ModelCheckpoint(dirpath=options["save"], filename="{epoch}", save_top_k=-1, every_n_epochs=1))
     chosen: object = strategy

@@ -61,6 +61,74 @@ def test_freezing_after_wrapping_matches_the_model_frozen_the_same_way(stage):
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dict:  # type: ignore[no-untyped-def]
+    """Two SGD steps; then every parameter frozen: a forward (a teacher's, without no_grad) and
+    its backward; then ``inp`` and ``blocks.0`` frozen for a step (nothing before ``blocks.1``
+    needs a gradient); then everything unfrozen for a step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out: dict = {}
+
+    def step(i: int) -> None:
+        x, y = batch(i, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    step(1)
+    model.requires_grad_(False)
+    x, y = batch(2, rank)
+    loss = ((model(x) - y) ** 2).mean()
+    out["frozen_requires_grad"] = loss.requires_grad
+    try:
+        loss.backward()
+        out["frozen_backward"] = "no error"
+    except RuntimeError as exc:
+        out["frozen_backward"] = str(exc)
+    model.requires_grad_(True)
+    inner = model.module if hasattr(model, "module") else model
+    for p in [*inner.inp.parameters(), *inner.blocks[0].parameters()]:
+        p.requires_grad_(False)
+    with counted() as c:
+        step(3)
+    out["counts"] = dict(c)
+    model.requires_grad_(True)
+    step(4)
+    out["params"] = {k: v.clone() for k, v in (model.full_state_dict(rank0_only=False) if hasattr(model, "full_state_dict") else model.state_dict()).items()}
+    return out
+
+
+def on_ranks_freeze_all(stage: int) -> dict:
+    from shardwrap import ShardedModule
+    from shardwrap.collectives import count_collectives
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    return freeze_all_then_unfreeze(model, dist.get_rank(), count_collectives)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_frozen_after_wrapping_computes_like_a_frozen_model(stage):
+    """As under fully_shard: with every parameter frozen after wrapping, the output needs no
+    gradient and backward raises as the unwrapped model's does; a unit frozen whole is left out of
+    the backward (no reduce-scatter, and at stage 3 no gather for it); unfreezing trains again, with
+    the unwrapped model's numbers throughout."""
+    import contextlib
+    from collections import Counter
+
+    torch.manual_seed(0)
+    reference = freeze_all_then_unfreeze(models.mlp(), None, lambda: contextlib.nullcontext(Counter()))
+    assert not reference["frozen_requires_grad"] and "does not require grad" in reference["frozen_backward"]
+    for r in run_on_ranks(WORLD, on_ranks_freeze_all, stage):
+        assert not r["frozen_requires_grad"] and "does not require grad" in r["frozen_backward"], r
+        c = r["counts"]
+        assert c["reduce_scatter_calls"] == 3, c  # the root (its head), blocks.1 and blocks.2; not the frozen blocks.0
+        if stage == 3:  # backward gathered blocks.1 and blocks.0 (the root and blocks.2 stay gathered): now blocks.1 only
+            assert c["all_gather_calls"] == 4 + 1, c
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def on_ranks_refusals() -> dict:
     from shardwrap import ShardedModule
 

@@ -584,3 +584,55 @@ def test_hugging_face_weight_decay_groups_match_the_unwrapped_model(stage, optim
         assert r["eval_everywhere"] and r["train_everywhere"] and r["applied_to_model"] and r["replaced_inside"], r
         for name, value in reference.state_dict().items():
             assert_close_params(r["full"][name], value, optim, 3, name)
+
+
+# ---- Hugging Face generate ---------------------------------------------------------------------
+
+
+def prompts_and_eos(world: int) -> tuple[torch.Tensor, int]:
+    """A prompt per rank, and an end-of-sequence token rank 0's greedy continuation reaches at
+    once while the others' never do (so the ranks' generations take different numbers of steps)."""
+    reference = build_model(GPT2).eval()
+    prompts = torch.randint(0, 96, (world, 1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        outs = [reference.generate(prompts[r], max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 6:].tolist() for r in range(world)]
+    eos = next(t for t in outs[0] if all(t not in out for out in outs[1:]))
+    return prompts, eos
+
+
+def on_ranks_generate_with_eos(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts, eos = prompts_and_eos(world)
+    model = ShardedModule(build_model(GPT2), auto_wrap_policy={models.gpt2_block_class()}, stage=stage)
+    model.eval()
+    with torch.no_grad():
+        ids = model.generate(prompts[rank], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    model.train()
+    model(input_ids=prompts[rank], labels=prompts[rank]).loss.backward()  # and training goes on
+    try:
+        model.resize_token_embeddings(100)
+        resize = "no error"
+    except RuntimeError as exc:
+        resize = str(exc)
+    return {"ids": ids[0].tolist(), "resize": resize, "vocab": model.get_input_embeddings().weight.shape[0]}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_generate_stops_at_a_different_step_on_each_rank(stage):
+    # Rank 0 reaches its end-of-sequence token first. transformers keeps every rank calling forward
+    # until all are done (synced_gpus) by itself for fully_shard and ZeRO-3; on a ShardedModule,
+    # wrapping makes synced_gpus default to True. Without it rank 0 stopped calling forward and the
+    # next gathers found the ranks out of step.
+    world = 2
+    prompts, eos = prompts_and_eos(world)
+    reference = build_model(GPT2).eval()
+    results = run_on_ranks(world, on_ranks_generate_with_eos, stage)
+    for rank, r in enumerate(results):
+        with torch.no_grad():
+            want = reference.generate(prompts[rank], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        assert r["ids"] == want[0].tolist(), (rank, r["ids"], want[0].tolist())
+    assert len(results[0]["ids"]) < len(results[1]["ids"]) == 12  # rank 0 did stop early
+    for r in results:  # resizing after wrapping is refused, saying to resize first (it failed in DTensor)
+        assert "Resize before wrapping" in r["resize"] and r["vocab"] == 96, r

@@ -1108,9 +1108,9 @@ class ShardedModule(nn.Module):
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
             self._recover()
         self._fatal_before = len(collectives.fatal_failures())
-        if not self.expect_backward:  # (a graph still owed a backward keeps the leaves it was built on)
-            for unit in self._units:
-                unit.follow_requires_grad()
+        for unit in self._units:  # (a graph that may still be owed a backward keeps its leaves' requires_grad)
+            unit.follow_requires_grad(allow_off=not self.expect_backward)
+        if not self.expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
         self.spares.open()
@@ -1230,6 +1230,9 @@ class ShardedModule(nn.Module):
         order = self._replica_order
         while self._replicas_started < len(order):
             unit = order[self._replicas_started]
+            if not unit.trains and unit.grad_state is not GradState.IN_FLIGHT:  # frozen whole: no reduction this backward
+                self._replicas_started += 1
+                continue
             if not unit.shard_reduced:
                 if not final:
                     return  # not reduce-scattered yet, or still in flight: its turn blocks the rest

@@ -393,7 +393,7 @@ class Unit:
         # over every rank by this backward's reductions; and the parameters whose p.grad those
         # reductions created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
-        self._usage: torch.Tensor | None = None
+        self._usage: list[torch.Tensor] = []
         self._fresh_grads: list[int] = []
         # Trainable parameters some rank's forward used in the backward that last reduced: their
         # post-accumulate-grad hooks are due (run_grad_hooks).
@@ -461,17 +461,19 @@ class Unit:
         and not all of them were frozen after wrapping (``follow_requires_grad``)."""
         return self.layout.num_trainable > 0 and self.unsharded_trainable.requires_grad
 
-    def follow_requires_grad(self) -> None:
-        """Between steps: the unsharded gradient leaf requires grad only while one of the unit's
-        trainable parameters does. A unit whose parameters were all frozen after wrapping then
-        computes like a frozen module (as under ``fully_shard``): its outputs need no gradient
-        unless its inputs do, nothing is saved for a backward, and no backward reaches it; an
-        all-frozen model's ``loss.backward()`` raises as the unwrapped model's does
-        (design/notes/after-wrapping.md)."""
+    def follow_requires_grad(self, allow_off: bool) -> None:
+        """At a step's first forward: the unsharded gradient leaf requires grad only while one of
+        the unit's trainable parameters does. A unit whose parameters were all frozen after
+        wrapping then computes like a frozen module (as under ``fully_shard``): its outputs need no
+        gradient unless its inputs do, nothing is saved for a backward, and no backward reaches it;
+        an all-frozen model's ``loss.backward()`` raises as the unwrapped model's does
+        (design/notes/after-wrapping.md). ``allow_off`` False (an earlier forward's graph may still
+        be owed a backward, and autograd drops what reaches a leaf that stopped requiring grad):
+        only turned on."""
         n = self.layout.num_trainable
         if n:
             live = any(p.requires_grad for p in self.sharded_params[:n])
-            if self.unsharded_trainable.requires_grad != live:
+            if self.unsharded_trainable.requires_grad != live and (live or allow_off):
                 self.unsharded_trainable.requires_grad_(live)
 
     def check_requires_grad(self) -> None:
@@ -834,9 +836,10 @@ class Unit:
     def take_usage(self) -> torch.Tensor | None:
         """Per trainable parameter, how many ranks' backwards reached it, summed over this
         backward's reduce-scatters (their used-flags, in ``reduce_dtype``): None if none finished
-        with a gradient; cleared."""
-        usage, self._usage = self._usage, None
-        return usage
+        with a gradient; cleared. Each reduction's flags are a copy of their own, summed only here
+        (after the copy streams are done: offload on a GPU finishes a reduction on one)."""
+        usage, self._usage = self._usage, []
+        return torch.stack(usage).sum(0) if usage else None
 
     def settle_unused_grads(self, used_anywhere: Sequence[bool]) -> None:
         """At the end of a backward that reduced: a parameter whose ``p.grad`` a reduction
@@ -1089,7 +1092,7 @@ class Unit:
         self._reentered = 0
         self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
-        self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), None
+        self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
         self._hooks_due = []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
@@ -1432,7 +1435,7 @@ class Unit:
         flags = reduced.narrow(0, S, n)  # how many ranks used each parameter (hybrid: every replica's too)
         if not r.used_here and not bool(flags.any()):
             return
-        self._usage = flags.clone() if self._usage is None else self._usage.add_(flags)
+        self._usage.append(flags.clone())
         if self.store is not None:  # the gradient shard goes to the offload side at once
             sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:

@@ -64,7 +64,8 @@ def test_freezing_after_wrapping_matches_the_model_frozen_the_same_way(stage):
 def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dict:  # type: ignore[no-untyped-def]
     """Two SGD steps; then every parameter frozen: a forward (a teacher's, without no_grad) and
     its backward; then ``inp`` and ``blocks.0`` frozen for a step (nothing before ``blocks.1``
-    needs a gradient); then everything unfrozen for a step."""
+    needs a gradient) and a forward with no backward (so a backward looks owed); then everything
+    unfrozen for a step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     out: dict = {}
 
@@ -92,6 +93,8 @@ def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dic
     with counted() as c:
         step(3)
     out["counts"] = dict(c)
+    x, y = batch(4, rank)
+    ((model(x) - y) ** 2).mean()  # an evaluation loss computed with grad on, never backpropagated
     model.requires_grad_(True)
     step(4)
     out["params"] = {k: v.clone() for k, v in (model.full_state_dict(rank0_only=False) if hasattr(model, "full_state_dict") else model.state_dict()).items()}

@@ -101,13 +101,15 @@ def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dic
     return out
 
 
-def on_ranks_freeze_all(stage: int) -> dict:
+def on_ranks_freeze_all(stage: int, hybrid: bool = False) -> dict:
+    from parity import hybrid_mesh
     from shardwrap import ShardedModule
     from shardwrap.collectives import count_collectives
 
     torch.manual_seed(0)
-    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
-    return freeze_all_then_unfreeze(model, dist.get_rank(), count_collectives)
+    mesh = hybrid_mesh((2, 2)) if hybrid else None  # the batch still splits in WORLD parts: ranks r and r + 2 share one
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage, mesh=mesh)
+    return freeze_all_then_unfreeze(model, dist.get_rank() % WORLD, count_collectives)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -128,6 +130,22 @@ def test_a_model_frozen_after_wrapping_computes_like_a_frozen_model(stage):
         assert c["reduce_scatter_calls"] == 3, c  # the root (its head), blocks.1 and blocks.2; not the frozen blocks.0
         if stage == 3:  # backward gathered blocks.1 and blocks.0 (the root and blocks.2 stay gathered): now blocks.1 only
             assert c["all_gather_calls"] == 4 + 1, c
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_unit_frozen_whole_on_a_hybrid_mesh_has_no_all_reduce_over_replicas():
+    """2 x 2 (ranks r and r + 2 hold one micro-batch): the unit frozen whole gets neither a
+    reduce-scatter nor an all-reduce over replicas, the others get both, and the numbers are the
+    unwrapped model's. (Its turn in the all-reduce order is skipped rather than waited for until
+    the end of backward; that changes only when the others start, which no count shows.)"""
+    import contextlib
+    from collections import Counter
+
+    torch.manual_seed(0)
+    reference = freeze_all_then_unfreeze(models.mlp(), None, lambda: contextlib.nullcontext(Counter()))
+    for r in run_on_ranks(4, on_ranks_freeze_all, 3, True):
+        assert r["counts"]["replicate_all_reduce_calls"] == 3 and r["counts"]["reduce_scatter_calls"] == 3, r["counts"]
         for name, value in reference["params"].items():
             torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -42,6 +42,8 @@ from shardwrap.wrap import PolicyLike, as_policy
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
 _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# Every parameter some ShardedModule took (the original and its sharded DTensor) -> its name there
+_TAKEN_PARAMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
@@ -663,8 +665,19 @@ class ShardedModule(nn.Module):
                 where = f"submodule '{name}'" if name else "the module"
                 raise ValueError(
                     f"ShardedModule: {where} ({type(sub).__name__}) is already wrapped. Wrap the "
-                    f"outermost model once and choose inner units with auto_wrap_policy"
+                    f"outermost model once and choose inner units with auto_wrap_policy (two models "
+                    f"that share a module: wrap one parent module that holds both)"
                 )
+        for name, param in module.named_parameters():
+            if param in _TAKEN_PARAMS:
+                # sharded again here, it would train as a second, separate weight: the tie lost, silently
+                raise ValueError(
+                    f"ShardedModule: parameter '{name}' is also parameter '{_TAKEN_PARAMS[param]}' of a model "
+                    f"another ShardedModule has wrapped. A weight shared between two wrapped models would be "
+                    f"sharded twice and trained as two separate weights. Wrap one parent module that holds "
+                    f"both models, so that one ShardedModule sees the tie"
+                )
+        originals = list(module.named_parameters())
         switches = Stage.of(stage)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
@@ -808,6 +821,10 @@ class ShardedModule(nn.Module):
         self._replicas_started = 0
         if self.mesh.size() > 1:
             collectives.broadcast_tensors(list(module.buffers()), self.world_group)
+        for name, param in originals:
+            _TAKEN_PARAMS[param] = name
+        for name, param in self.named_parameters():
+            _TAKEN_PARAMS[param] = name
         for name, sub in module.named_modules():
             _MANAGED_MODULES.add(sub)
             if next(sub.parameters(), None) is not None:  # what holds shards refuses conversions and copies
@@ -1368,6 +1385,15 @@ class ShardedModule(nn.Module):
         return all(c == 0 for c, pl in list(zip(coordinate, placements))[first_axis:] if pl.is_replicate())
 
     # ---- state dicts (shardwrap/state_dict.py) ------------------------------------------------
+
+    def mark_written(self) -> None:
+        """Say that the parameters were written in place by something that bumps no version
+        counter (``torch._foreach_*`` ops outside an optimizer step, writes through ``p.data`` or
+        ``p.to_local()``: an EMA teacher updated so): at stage 1 every unit then gathers again at
+        its next forward instead of computing with the rows it gathered before. Stages 2 and 3
+        gather every forward anyway. Local: call it on every rank, as the write was made."""
+        for unit in self._units:
+            unit.mark_written()
 
     def refuse_out_of_step(self, what: str) -> None:
         """Once the ranks were found out of step (a "ranks disagree" error on this rank, which

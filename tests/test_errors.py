@@ -178,3 +178,41 @@ def on_ranks_reach_into_unit() -> str:
 def test_parameter_read_outside_its_unit_is_refused():
     for message in run_on_ranks(2, on_ranks_reach_into_unit, timeout=60):
         assert "used outside its unit's forward" in message and "unit '<root>' ran" in message, message
+
+
+def on_ranks_weight_shared_between_two_wrapped_models() -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    out = {}
+    g, d = models.mlp(16, 2, out=16), models.mlp(16, 2, out=1)
+    d.inp.weight = g.inp.weight  # tied before wrapping (a GAN or a student and its head sharing a layer)
+    g = ShardedModule(g, auto_wrap_policy={models.Block})
+    before = {n: p.detach().clone() for n, p in d.named_parameters()}
+    try:
+        ShardedModule(d, auto_wrap_policy={models.Block})
+        out["tied"] = "no error"
+    except ValueError as exc:
+        out["tied"] = str(exc)
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in d.named_parameters()) and not any(
+        isinstance(m, ShardedModule) for m in d.modules())
+    # a sharded parameter of a wrapped model put into another model after wrapping
+    e = models.mlp(16, 2, out=1)
+    e.inp.weight = dict(g.named_parameters())["inp.weight"]
+    try:
+        ShardedModule(e, auto_wrap_policy={models.Block})
+        out["sharded"] = "no error"
+    except ValueError as exc:
+        out["sharded"] = str(exc)
+    # the same architecture with its own weights wraps fine beside g
+    ShardedModule(models.mlp(16, 2, out=1), auto_wrap_policy={models.Block})
+    return out
+
+
+def test_a_weight_shared_between_two_wrapped_models_is_refused():
+    # Sharded twice, it trained as two separate weights (the tie dropped, 2e-2 off a tied
+    # one-process run after 3 SGD steps, silently; fully_shard does the same).
+    for r in run_on_ranks(2, on_ranks_weight_shared_between_two_wrapped_models):
+        for key in ("tied", "sharded"):
+            assert "parameter 'inp.weight'" in r[key] and "another ShardedModule" in r[key] and "parent module" in r[key], r[key]
+        assert r["unchanged"], r

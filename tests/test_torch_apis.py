@@ -282,6 +282,55 @@ def test_stage1_sees_every_optimizer_kernel_write_the_shards(kernel, optim):
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kernel} {optim} '{name}': {m}")
 
 
+def mean_teacher(student: nn.Module, teacher: nn.Module, rank: int | None, mark: bool) -> dict[str, float]:
+    """A mean teacher (Mean Teacher, BYOL, DINO): the student trains on the teacher's outputs; after
+    each step the frozen teacher moves toward it with ``torch._foreach_lerp_``, which bumps no
+    version counter on DTensor parameters. Returns the teacher's outputs on a fixed batch."""
+    opt = torch.optim.SGD(student.parameters(), lr=0.1, momentum=0.9)
+    teacher.requires_grad_(False)
+    outputs = {}
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g)
+        x = x if rank is None else x.chunk(2)[rank]
+        with torch.no_grad():
+            target = teacher(x)
+        ((student(x) - target) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 0.3)
+        if mark:
+            teacher.mark_written()  # type: ignore[operator]
+        with torch.no_grad():
+            outputs[str(step)] = teacher(torch.ones(2, 16)).sum().item()
+    return outputs
+
+
+def on_ranks_mean_teacher(mark: bool) -> dict[str, float]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    student = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=1)
+    torch.manual_seed(1)
+    teacher = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=1)
+    return mean_teacher(student, teacher, dist.get_rank(), mark)
+
+
+def test_stage1_mark_written_after_a_foreach_write_outside_the_optimizer():
+    # torch._foreach_lerp_ into a wrapped teacher's parameters is not seen by stage 1 (no version
+    # counter moves), and without mark_written() the teacher kept computing with its old rows
+    # (the README says so); with it, the teacher's outputs are the unwrapped one's.
+    torch.manual_seed(0)
+    student = models.mlp()
+    torch.manual_seed(1)
+    want = mean_teacher(student, models.mlp(), None, False)
+    for got in run_on_ranks(2, on_ranks_mean_teacher, True):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+    stale = run_on_ranks(2, on_ranks_mean_teacher, False)[0]
+    assert stale != pytest.approx(want, rel=1e-5), "the limitation the README names is gone: update it"
+
+
 # ---- p.register_post_accumulate_grad_hook: an optimizer that steps inside backward ----------------
 
 

@@ -1143,13 +1143,12 @@ class ShardedModule(nn.Module):
         # may never finish, so none is waited for; and the ranks' sequences can no longer be
         # trusted to pair, so nothing more is issued either (design/notes/rank-agreement.md).
         fatal = collectives.fatal_failures()[self._fatal_before :]
-        timed_out = bool(fatal)
         # Every unit is cleaned up even if a wait in one of them fails; after a failure other than
         # a lost peer (a timeout) nothing more is waited for (Unit.abandon).
         failure: BaseException | None = None
         for unit in self._units:
             try:
-                unit.abandon(wait=not timed_out and (failure is None or collectives.lost_a_peer(failure)))
+                unit.abandon(wait=not fatal and (failure is None or collectives.lost_a_peer(failure)))
             except Exception as exc:
                 failure = failure or exc
         self.spares.close()
@@ -1157,12 +1156,12 @@ class ShardedModule(nn.Module):
         self._replicas_started = 0
         try:
             # waits for the count exchanges still in flight
-            self.schedule.end_backward(wait=not timed_out and (failure is None or collectives.lost_a_peer(failure)))
+            self.schedule.end_backward(wait=not fatal and (failure is None or collectives.lost_a_peer(failure)))
         except Exception as exc:
             failure = failure or exc
         self.expect_backward = False
         self._state = TrainingState.IDLE
-        if timed_out:
+        if fatal:
             self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self.steps_done + 1}, {fatal[0]}")
             self.refuse_out_of_step("this forward")
         if failure is not None:

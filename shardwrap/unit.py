@@ -1351,7 +1351,7 @@ class Unit:
 
         Not when a gradient must be added into an existing ``p.grad`` (the host would block
         mid-backward on a collective), nor for hybrid sharding (its all-reduce over replicas
-        starts in a fixed order), a rank whose backward did not reach the unit (its used-flag is
+        starts in a fixed order), a rank whose backward did not reach the unit (its used-flags are
         read on the host), or under ``TORCH_NCCL_BLOCKING_WAIT`` (the wait would block the host)
         (design/notes/offload.md, "Copies on a GPU")."""
         r = self._reduction

@@ -61,12 +61,12 @@ def test_freezing_after_wrapping_matches_the_model_frozen_the_same_way(stage):
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dict:  # type: ignore[no-untyped-def]
+def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted, optim: str = "sgd") -> dict:  # type: ignore[no-untyped-def]
     """Two SGD steps; then every parameter frozen: a forward (a teacher's, without no_grad) and
     its backward; then ``inp`` and ``blocks.0`` frozen for a step (nothing before ``blocks.1``
     needs a gradient) and a forward with no backward (so a backward looks owed); then everything
     unfrozen for a step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.01)
     out: dict = {}
 
     def step(i: int) -> None:
@@ -101,7 +101,7 @@ def freeze_all_then_unfreeze(model: nn.Module, rank: int | None, counted) -> dic
     return out
 
 
-def on_ranks_freeze_all(stage: int, hybrid: bool = False) -> dict:
+def on_ranks_freeze_all(stage: int, hybrid: bool = False, optim: str = "sgd") -> dict:
     from parity import hybrid_mesh
     from shardwrap import ShardedModule
     from shardwrap.collectives import count_collectives
@@ -109,11 +109,12 @@ def on_ranks_freeze_all(stage: int, hybrid: bool = False) -> dict:
     torch.manual_seed(0)
     mesh = hybrid_mesh((2, 2)) if hybrid else None  # the batch still splits in WORLD parts: ranks r and r + 2 share one
     model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage, mesh=mesh)
-    return freeze_all_then_unfreeze(model, dist.get_rank() % WORLD, count_collectives)
+    return freeze_all_then_unfreeze(model, dist.get_rank() % WORLD, count_collectives, optim)
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_model_frozen_after_wrapping_computes_like_a_frozen_model(stage):
+def test_a_model_frozen_after_wrapping_computes_like_a_frozen_model(stage, optim):
     """As under fully_shard: with every parameter frozen after wrapping, the output needs no
     gradient and backward raises as the unwrapped model's does; a unit frozen whole is left out of
     the backward (no reduce-scatter, and at stage 3 no gather for it); unfreezing trains again, with
@@ -122,9 +123,9 @@ def test_a_model_frozen_after_wrapping_computes_like_a_frozen_model(stage):
     from collections import Counter
 
     torch.manual_seed(0)
-    reference = freeze_all_then_unfreeze(models.mlp(), None, lambda: contextlib.nullcontext(Counter()))
+    reference = freeze_all_then_unfreeze(models.mlp(), None, lambda: contextlib.nullcontext(Counter()), optim)
     assert not reference["frozen_requires_grad"] and "does not require grad" in reference["frozen_backward"]
-    for r in run_on_ranks(WORLD, on_ranks_freeze_all, stage):
+    for r in run_on_ranks(WORLD, on_ranks_freeze_all, stage, False, optim):
         assert not r["frozen_requires_grad"] and "does not require grad" in r["frozen_backward"], r
         c = r["counts"]
         assert c["reduce_scatter_calls"] == 3, c  # the root (its head), blocks.1 and blocks.2; not the frozen blocks.0

@@ -11,6 +11,8 @@ check fails:
    ``Offload("cpu")`` at stages 2 and 3, whose parameters must be the host shards themselves;
    clipping with and without offload; offload with a parameterless root, ``model.to(device)``
    after wrapping and an evaluation forward between backward and step (SGD + momentum);
+   gradients unused at some steps or at every step and a block frozen after wrapping, at stages 2
+   and 3 and with offload (SGD + momentum + weight decay);
 2. overlap: a profiler trace of stage-3 bf16 steps shows on which CUDA streams the all-gathers and
    reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
@@ -301,6 +303,60 @@ def offload_extras(stage: int) -> dict[str, Any]:
 extras = {f"s{stage}": attempt(f"offload extras s{stage}", offload_extras, stage) for stage in (2, 3)}
 report["offload extras"] = extras
 
+
+class Branchy(nn.Module):
+    """Three blocks, a side block used on even steps only, and a projection never used: the
+    used-flags that ride in each unit's reduce-scatter decide which gradients stay ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.side = Block()
+        self.blocks[2].unused = nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.side(x) if step % 2 == 0 else x
+
+
+def unused_and_frozen(impl: str) -> dict[str, Any]:
+    """Gradients that are unused at some steps or at every step, and a block frozen after wrapping
+    (from step 2 on): SGD with momentum and weight decay (which moves a parameter handed a zero
+    gradient instead of ``None``) against the unwrapped model."""
+    torch.manual_seed(0)
+    ref = Branchy().to(device)
+    model = Branchy().to(device)
+    model.load_state_dict(ref.state_dict())
+    stage = int(impl[1])
+    model = ShardedModule(model, auto_wrap_policy={Block}, stage=stage,
+                          offload=Offload("cpu") if "offload" in impl else None)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1) for m in (ref, model)]
+    unused = dict(model.named_parameters())["blocks.2.unused.weight"]
+    unused_grads = []
+    for step in range(5):
+        if step == 2:
+            ref.blocks[0].requires_grad_(False)
+            model.module.blocks[0].requires_grad_(False)
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step)).to(device)
+        for m, opt in zip((ref, model), opts):
+            m(x, step).pow(2).mean().backward()
+            if m is model:
+                unused_grads.append(unused.grad is not None)
+            opt.step()
+            opt.zero_grad()
+    full = model.full_state_dict()
+    gap = max((full[k].float().cpu() - v.float().cpu()).abs().max().item() for k, v in ref.state_dict().items())
+    ok = gap < 1e-5 and not any(unused_grads)
+    if not ok:
+        failures.append(f"unused and frozen {impl}: max |param - ref| {gap}, a never-used parameter got a gradient "
+                        f"at steps {[i for i, g in enumerate(unused_grads) if g]}")
+    return {"max |param - ref|": gap, "ok": ok}
+
+
+sparse = {impl: attempt(f"unused and frozen {impl}", unused_and_frozen, impl) for impl in ("s2", "s3", "s3 offload")}
+report["unused and frozen"] = sparse
+
 # ---- 2. overlap ---------------------------------------------------------------------------------
 
 
@@ -427,6 +483,8 @@ lines += [f"\n`clip_grad_norm_(0.5)` after one backward: unwrapped {clip_ref}, "
           + ", ".join(f"{k} {v}" for k, v in clips.items()) + "\n"]
 lines += [f"\nOffload with a parameterless root, `model.to(device)`, an evaluation between backward and step and "
           f"clipping (SGD + momentum): " + ", ".join(f"{k}: {v}" for k, v in extras.items()) + "\n"]
+lines += [f"\nUnused gradients (a side block used on even steps, a projection never used) and a block frozen after "
+          f"wrapping (SGD + momentum + weight decay): " + ", ".join(f"{k}: {v}" for k, v in sparse.items()) + "\n"]
 lines += ["\n## Streams (stage 3, bf16)\n"]
 if "streams" in overlap:
     lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",

@@ -1266,11 +1266,11 @@ class ShardedModule(nn.Module):
         gradient gave it (design/notes/unused-parameters.md)."""
         units = [u for u in self._units if u.layout.num_trainable]
         usage = [(u, u.take_usage()) for u in units]
-        summed = [t.float() for _, t in usage if t is not None]
-        counts = iter(torch.cat(summed).tolist() if summed else [])
+        summed = [t.float() for _, t in usage if isinstance(t, torch.Tensor)]
+        counts = iter(torch.cat(summed).tolist() if summed else [])  # none where this rank used everything
         for unit, t in usage:
             n = unit.layout.num_trainable
-            unit.settle_unused_grads([next(counts) > 0 for _ in range(n)] if t is not None else [False] * n)
+            unit.settle_unused_grads([next(counts) > 0 for _ in range(n)] if isinstance(t, torch.Tensor) else [t] * n)
 
     def _finish_backward(self) -> None:
         """End of backward: issue whatever this rank's graph skipped (all-gathers, reduce-scatters

@@ -259,6 +259,15 @@ def _average_grad(summed: torch.Tensor, world_size: int) -> None:
     summed.div_(world_size)
 
 
+def _to_device(values: list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, without making the host wait for the device: on a GPU
+    a copy from pageable memory waits for every kernel queued before it, which would stop the host
+    from running ahead of backward once per unit. From pinned memory it is queued like a kernel."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _alias(storage_owner: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     """A tensor over ``storage_owner``'s storage with its *own* version counter.
 
@@ -389,10 +398,12 @@ class Unit:
         self._gathered_version = -1  # the shard's version when it was last gathered
         self._writes = 0  # writes into the shard that bypass the parameters (loads)
         # Per trainable parameter: whether a gradient reached its view on this rank since the last
-        # reduce-scatter started (which carries these bits as its used-flags); the flags summed
-        # over every rank by this backward's reductions; and the parameters whose p.grad those
-        # reductions created (see settle_unused_grads).
+        # reduce-scatter started (which carries these bits as its used-flags); whether one did in
+        # any of this backward's reductions (host bits: where all are set, nothing is read back
+        # from the device); the flags summed over every rank by this backward's reductions; and the
+        # parameters whose p.grad those reductions created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
+        self._used_here = [False] * self.layout.num_trainable
         self._usage: list[torch.Tensor] = []
         self._fresh_grads: list[int] = []
         # Trainable parameters some rank's forward used in the backward that last reduced: their
@@ -833,13 +844,20 @@ class Unit:
             if grad_outputs[2 * i] is not None:
                 used[i] = True
 
-    def take_usage(self) -> torch.Tensor | None:
-        """Per trainable parameter, how many ranks' backwards reached it, summed over this
-        backward's reduce-scatters (their used-flags, in ``reduce_dtype``): None if none finished
-        with a gradient; cleared. Each reduction's flags are a copy of their own, summed only here
-        (after the copy streams are done: offload on a GPU finishes a reduction on one)."""
+    def take_usage(self) -> torch.Tensor | bool:
+        """Per trainable parameter, how many ranks' backwards reached it in this backward's
+        reductions; cleared. ``True`` where this rank's backward reached every one (each was then
+        used somewhere, and the flags need no read: on a GPU that read waits for the whole
+        backward), ``False`` where no reduction finished with a gradient, else the used-flags
+        summed (in ``reduce_dtype``). Each reduction's flags are a copy of their own, summed only
+        here (after the copy streams are done: offload on a GPU finishes a reduction on one)."""
         usage, self._usage = self._usage, []
-        return torch.stack(usage).sum(0) if usage else None
+        used, self._used_here = self._used_here, [False] * len(self._used_here)
+        if not usage:
+            return False
+        # a parameter frozen since wrapping gets no p.grad from a reduction: it needs no answer
+        answered = all(u or not p.requires_grad for u, p in zip(used, self.sharded_params))
+        return True if answered else torch.stack(usage).sum(0)
 
     def settle_unused_grads(self, used_anywhere: Sequence[bool]) -> None:
         """At the end of a backward that reduced: a parameter whose ``p.grad`` a reduction
@@ -1093,6 +1111,7 @@ class Unit:
         self._backward_uses = self._uncounted_calls = 0
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
+        self._used_here = [False] * len(self._grad_used)
         self._hooks_due = []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
@@ -1307,7 +1326,8 @@ class Unit:
         W, S, n = self.world_size, self.layout.grad_shard_numel, self.layout.num_trainable
         packed, used_here = self._packed, self._packed is not None
         self._packed = None
-        flags = torch.tensor(self._grad_used, dtype=self.reduce_dtype, device=self.device)
+        flags = _to_device(self._grad_used, self.reduce_dtype, self.device)
+        self._used_here = [a or b for a, b in zip(self._used_here, self._grad_used)]
         self._grad_used = [False] * n
         output = torch.empty(S + n, dtype=self.reduce_dtype, device=self.device)
         if self._reduces_directly():

@@ -136,3 +136,51 @@ def test_a_parameter_used_in_one_micro_batch_of_no_sync_gets_its_gradient(stage)
         for step, s in enumerate(rank_steps):
             assert s["none_got"] == s["none_ref"], (step, list(zip(s["names"], s["none_ref"], s["none_got"])))
             assert s["gap"] < 1e-5, (step, s["gap"])
+
+
+def on_ranks_usage_reads(stage: int) -> dict:
+    """What each unit's ``take_usage`` answers at the end of backward: ``True`` (no read of the
+    summed flags) for units whose every trainable parameter this rank used or that were frozen
+    after wrapping, a tensor (a read) for a unit with a parameter this rank left out."""
+    import models
+    from shardwrap import ShardedModule
+    from shardwrap.unit import Unit
+
+    seen: list = []
+    original = Unit.take_usage
+
+    def spy(self):  # type: ignore[no-untyped-def]
+        answer = original(self)
+        seen.append((self.name, answer if isinstance(answer, bool) else "read"))
+        return answer
+
+    Unit.take_usage = spy  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        out: dict = {}
+        mlp = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+        mlp(torch.randn(4, 16)).sum().backward()
+        out["all used"] = list(seen)
+        seen.clear()
+        mlp.module.blocks[0].up.weight.requires_grad_(False)
+        mlp(torch.randn(4, 16)).sum().backward()
+        out["one frozen"] = list(seen)
+        seen.clear()
+        net = ShardedModule(Net(), auto_wrap_policy={Branchy}, stage=stage)
+        net(global_batch(0, dist.get_world_size()).chunk(dist.get_world_size())[dist.get_rank()]).sum().backward()
+        out["dead"] = list(seen)
+    finally:
+        Unit.take_usage = original  # type: ignore[method-assign]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rank_that_used_every_parameter_reads_no_flags_back(stage):
+    """On a GPU the read of the summed used-flags waits for the whole backward: a rank that used
+    every parameter (or left out only frozen ones) answers without it; a unit with a parameter
+    this rank left out still reads (the checks above hold its answer to the unwrapped model)."""
+    for r in run_on_ranks(2, on_ranks_usage_reads, stage):
+        assert r["all used"] and all(answer is True for _, answer in r["all used"]), r
+        assert r["one frozen"] and all(answer is True for _, answer in r["one frozen"]), r
+        answers = dict(r["dead"])
+        assert answers["blocks.0"] == answers["blocks.1"] == "read" and answers["<root>"] is True, r

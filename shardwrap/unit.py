@@ -614,7 +614,7 @@ class Unit:
         S = self.layout.shard_numel
         out = torch.empty(S + 1, dtype=self.dtype, device=self.device)
         self.layout.pack_rank_rows(self._padded_unsharded, out.narrow(0, 0, S), self.rank)
-        out[S] = float(self.index)
+        out.narrow(0, S, 1).fill_(float(self.index))  # a kernel: an item write from the host would wait for the device
         return out
 
     def write_shard(self, flat: torch.Tensor) -> None:

@@ -12,7 +12,9 @@ check fails:
    clipping with and without offload; offload with a parameterless root, ``model.to(device)``
    after wrapping and an evaluation forward between backward and step (SGD + momentum);
    gradients unused at some steps or at every step and a block frozen after wrapping, at stages 2
-   and 3 and with offload (SGD + momentum + weight decay);
+   and 3 and with offload (SGD + momentum + weight decay); no host waits: one step under torch's
+   sync debug mode must show no wait from shardwrap's lines, and a step queued behind a sleep
+   kernel must return while the GPU is still busy (not yet run on a GPU: added at stop 37);
 2. overlap: a profiler trace of stage-3 bf16 steps shows on which CUDA streams the all-gathers and
    reduce-scatters run, and how much of their time overlaps kernels on the compute stream;
 3. speed and memory: median step time (CUDA events) and peak allocated memory of shardwrap s1, s2,
@@ -380,9 +382,22 @@ def host_syncs(impl: str) -> dict[str, Any]:
 
     model, opt = wrap(impl)
     train(model, opt, 1)
+    import traceback
+
     pkg = os.path.join(ROOT, "shardwrap")
-    with warnings.catch_warnings(record=True) as caught:
+    found: set[str] = set()
+
+    def note(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        # the innermost frame of shardwrap's in the whole stack: a wait inside torch code that
+        # shardwrap calls (DTensor, the optimizer, distributed_c10d) is shardwrap's too
+        if "synchroniz" in str(message):
+            ours = [f for f in traceback.extract_stack() if os.path.abspath(f.filename).startswith(pkg)]
+            if ours:
+                found.add(f"{os.path.relpath(ours[-1].filename, ROOT)}:{ours[-1].lineno}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
             x = batch(1)
@@ -391,8 +406,7 @@ def host_syncs(impl: str) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sites = sorted({f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught
-                    if "synchroniz" in str(w.message) and os.path.abspath(w.filename).startswith(pkg)})
+    sites = sorted(found)
     if sites:
         failures.append(f"host syncs {impl}: the host waits for the device at {sites}")
     return {"sites": sites, "ok": not sites}
@@ -401,6 +415,56 @@ def host_syncs(impl: str) -> dict[str, Any]:
 syncs = {impl: attempt(f"syncs {impl}", host_syncs, impl) for impl in ("shardwrap s1", "shardwrap s2", "shardwrap s3", "shardwrap s3 bf16")} \
     if ON_GPU else {}
 report["host syncs"] = syncs
+
+
+class CheckpointedBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def host_runs_ahead(impl: str) -> dict[str, Any]:
+    """Whether the host can queue a whole step while the GPU is still busy, which catches every
+    kind of wait, also those torch's sync debug mode does not see (``Event.synchronize``, a
+    blocking ``Work.wait()``, a non-blocking copy from pageable memory): a sleep kernel of about a
+    second is queued on the compute stream, then one step (forward, backward,
+    ``model.clip_grad_norm_``, the optimizer step; ``no_sync``: two micro-batches) of a small model
+    whose launches fit in the queue. If the stream is still busy when the host is done, nothing in
+    the step waited for the device."""
+    block = CheckpointedBlock if "checkpointed" in impl else Block
+    torch.manual_seed(0)
+    model = ShardedModule(nn.Sequential(*[block() for _ in range(3)]).to(device), auto_wrap_policy={block},
+                          stage=int(impl[1]), mixed_precision=BF16 if "bf16" in impl else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(i)).to(device)
+        if "no_sync" in impl:
+            with model.no_sync():
+                model(x).pow(2).mean().backward()
+        model(x).pow(2).mean().backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(2):  # the first steps set things up (and may wait)
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second at the H100's ~2 GHz
+    t0 = time.perf_counter()
+    step(2)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    ahead = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    if not ahead:
+        failures.append(f"host runs ahead {impl}: the step waited for the device (the host took {host_ms:.0f} ms)")
+    return {"host ms": host_ms, "ran ahead": ahead, "ok": ahead}
+
+
+ahead = {impl: attempt(f"syncs ahead {impl}", host_runs_ahead, impl)
+         for impl in ("s1", "s2", "s3", "s3 bf16", "s3 no_sync", "s3 checkpointed")} if ON_GPU else {}
+report["host runs ahead"] = ahead
 
 # ---- 2. overlap ---------------------------------------------------------------------------------
 
@@ -532,6 +596,8 @@ lines += [f"\nUnused gradients (a side block used on even steps, a projection ne
           f"wrapping (SGD + momentum + weight decay): " + ", ".join(f"{k}: {v}" for k, v in sparse.items()) + "\n"]
 lines += ["\nWhere shardwrap's own lines make the host wait for the device in a step (torch's sync debug mode): "
           + (", ".join(f"{k}: {v['sites'] if v else 'not run'}" for k, v in syncs.items()) or "not run (no CUDA)") + "\n"]
+lines += ["\nWhether the host queues a whole step (forward, backward, clip, optimizer step) while a sleep kernel "
+          "holds the GPU: " + (", ".join(f"{k}: {v}" for k, v in ahead.items()) or "not run (no CUDA)") + "\n"]
 lines += ["\n## Streams (stage 3, bf16)\n"]
 if "streams" in overlap:
     lines += [f"compute stream: {overlap.get('compute_stream')}\n", "| stream | events | busy us | overlapping compute us | collectives | names |",

@@ -1367,8 +1367,12 @@ class ShardedModule(nn.Module):
             collectives.all_reduce_sum(summed, group)
             total = summed[0].pow(1.0 / norm_type)
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:  # offloaded gradients are host tensors while the norm is on the device
-            g.mul_(clip.to(device=g.device, dtype=g.dtype))
+        factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        for g in grads:  # offloaded gradients are host tensors while the norm is on the device: one copy per kind
+            key = (g.device, g.dtype)
+            if key not in factors:
+                factors[key] = clip.to(device=g.device, dtype=g.dtype)
+            g.mul_(factors[key])
         return total
 
     def _counts_in_norm(self, p: torch.Tensor, coordinate: list[int]) -> bool:

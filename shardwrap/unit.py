@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
@@ -278,17 +279,38 @@ def _alias(storage_owner: torch.Tensor, offset: int, numel: int) -> torch.Tensor
     return alias.set_(storage_owner.untyped_storage(), offset, (numel,), (1,))
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
+def tensors_in(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors inside a forward output: tensors, sequences, mappings, dataclasses, classes
+    registered with torch's pytree, and the attributes of any other object (a
+    ``torch.distributions.Normal`` holds ``loc`` and ``scale``). A tensor missed here gets no
+    pre-backward hook, and a stage-3 unit that returned it would be resharded before a backward
+    that reads its parameters."""
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if isinstance(obj, _LEAVES) or isinstance(obj, (nn.Module, type)) or callable(obj):
+        return []
     if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in tensors_in(item)]
+        return [t for item in obj for t in tensors_in(item, _seen)]
     if isinstance(obj, dict):  # includes HF ModelOutput, an OrderedDict
-        return [t for item in obj.values() for t in tensors_in(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
-    return []
+        return [t for item in obj.values() for t in tensors_in(item, _seen)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name, None), _seen)]
+    node = pytree.SUPPORTED_NODES.get(type(obj))
+    if node is not None:
+        return [t for item in node.flatten_fn(obj)[0] for t in tensors_in(item, _seen)]
+    _seen = set() if _seen is None else _seen
+    if id(obj) in _seen:  # objects may refer to each other
+        return []
+    _seen.add(id(obj))
+    fields = list(getattr(obj, "__dict__", {}).values())
+    for cls in type(obj).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else slots
+        fields += [getattr(obj, name) for name in slots if not name.startswith("__") and hasattr(obj, name)]
+    return [t for item in fields for t in tensors_in(item, _seen)]
+
+
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, Enum)
 
 
 Slot = tuple[nn.Module, str]  # a module and the attribute name under which it holds a parameter
@@ -746,7 +768,8 @@ class Unit:
             return output
         self._install_sharded_params()
         self.training_state = TrainingState.IDLE
-        wants_grad = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        found = tensors_in(output) if torch.is_grad_enabled() else []
+        wants_grad = list({id(t): t for t in found if t.requires_grad}.values())  # once each
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
             self._backward_uses += 1
@@ -1439,8 +1462,10 @@ class Unit:
     def finish_grad(self, into_rows: bool = True) -> None:
         """IN_FLIGHT -> REDUCED: wait for the reduce-scatter (hybrid: and the all-reduce over
         replicas, started by the root), average, and add this rank's piece into the sharded
-        grads. If no rank reached the unit its gradients stay untouched (``None`` stays ``None``,
-        as in plain PyTorch). ``into_rows=False``: a new ``p.grad`` never views the rank's rows of
+        grads. A parameter no rank reached gets zeros here, added to an existing ``p.grad`` (no
+        change) or as a new one that ``settle_unused_grads`` sets back to ``None``, as in plain
+        PyTorch: deciding here would read the flags, a wait for the device per unit on a GPU.
+        ``into_rows=False``: a new ``p.grad`` never views the rank's rows of
         the unsharded gradient (stage 1), which hold a newer gradient."""
         self.finish_shard_reduction()
         r = self._reduction
@@ -1452,10 +1477,7 @@ class Unit:
         self._reduction = None
         reduced, S, n = r.output, self.layout.grad_shard_numel, self.layout.num_trainable
         self._grad = GradState.REDUCED
-        flags = reduced.narrow(0, S, n)  # how many ranks used each parameter (hybrid: every replica's too)
-        if not r.used_here and not bool(flags.any()):
-            return
-        self._usage.append(flags.clone())
+        self._usage.append(reduced.narrow(0, S, n).clone())  # how many ranks used each parameter (hybrid: every replica's too)
         if self.store is not None:  # the gradient shard goes to the offload side at once
             sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:

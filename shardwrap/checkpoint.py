@@ -380,10 +380,12 @@ def _optim_template(
     template: dict[str, Any] = {"state": {}, "param_groups": []}
     unknown: list[str] = []
     problems: list[str] = []
+    saved_keys: dict[str, list[str]] = {}
     for path, entry in entries:
         value: Any = None  # a non-tensor entry: DCP puts the loaded value here
         if path[0] == "state" and len(path) == 3:
             name, key = str(path[1]), path[2]
+            saved_keys.setdefault(name, []).append(str(key))
             if name not in index:
                 unknown += [name] if name not in unknown else []
                 continue
@@ -402,6 +404,8 @@ def _optim_template(
         files.set_path(template, path, value)
     if unknown:
         problems.insert(0, f"optimizer state for parameters this optimizer does not hold: {state_dict.listed(unknown)}")
+    names = [n for n, _ in sorted(index.items(), key=lambda item: item[1][0])]  # the optimizer's order
+    problems += state_dict.coverage_problems(optimizer, saved_keys, lambda i: names[i], lambda n: f"'{n}'")
     return template, problems
 
 

@@ -397,6 +397,59 @@ def _state_shape_problems(state: Mapping[Any, Any], shape_of: Callable[[Any], tu
     return problems
 
 
+def coverage_problems(opt: torch.optim.Optimizer, saved: Mapping[Any, Any], key_of: Callable[[int], Any], name: Callable[[Any], str]) -> list[str]:
+    """State the load would lose or leave incomplete, which torch's ``load_state_dict`` takes as
+    it is: ``saved`` maps each saved entry's key (``key_of(position)``: a parameter's name or
+    index) to its state keys. A parameter this optimizer holds state for must have an entry with
+    at least those keys (else its moments are reset, silently, or the next ``step()`` raises
+    ``KeyError``); on a parameter without state yet (a fresh optimizer) an entry must have the
+    keys this optimizer's first step makes (found on a one-element copy; skipped where the
+    optimizer cannot be rebuilt so). A missing entry is allowed there: a parameter that never had
+    a gradient has none. An entry that shares no key with what is needed was saved by another
+    kind of optimizer, which ``kind_problems`` names."""
+    problems: list[str] = []
+    fresh: dict[tuple[int, int], set[str] | None] = {}
+    position = 0
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            key, position = key_of(position), position + 1
+            live, keys = opt.state.get(p), saved.get(key)
+            if live:
+                if keys is None:
+                    problems.append(f"no optimizer state for {name(key)}, which this optimizer holds ({sorted(live)}): the load would drop it")
+                elif set(live) - set(keys) and set(live) & set(keys):
+                    problems.append(f"optimizer state for {name(key)} lacks {sorted(set(live) - set(keys))}, which this optimizer holds")
+            elif keys is not None:
+                need = _first_step_keys(opt, g, p.dim(), fresh)
+                if need is not None and need - set(keys) and need & set(keys):
+                    problems.append(f"optimizer state for {name(key)} lacks {sorted(need - set(keys))}, which {type(opt).__name__}'s step needs")
+    return problems
+
+
+def _first_step_keys(opt: torch.optim.Optimizer, g: int, dim: int, cache: dict[tuple[int, int], set[str] | None]) -> set[str] | None:
+    """The state keys one step of ``opt``'s kind makes for a parameter of ``dim`` dimensions in
+    param group ``g`` (a zero gradient on a one-element copy; ``opt`` is not touched), or None
+    where the optimizer cannot be rebuilt from its defaults."""
+    if (g, dim) not in cache:
+        try:
+            dummy = torch.zeros((1,) * dim, requires_grad=True)
+            try:
+                probe = type(opt)([dummy], **opt.defaults)
+            except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
+                probe = type(opt)([dummy])
+            probe.param_groups[0].update({k: v for k, v in opt.param_groups[g].items() if k != "params"})
+            dummy.grad = torch.zeros_like(dummy)
+            probe.step()
+            cache[(g, dim)] = set(probe.state[dummy])
+        except Exception:  # a custom optimizer built otherwise: the real load decides, as before
+            cache[(g, dim)] = None
+    return cache[(g, dim)]
+
+
+def _state_keys(state: Mapping[Any, Any]) -> dict[Any, list[str]]:
+    return {k: list(v) if isinstance(v, Mapping) else [] for k, v in state.items()}
+
+
 def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Any) -> list[str]:
     """Every problem a full optimizer state dict (integer keys, as a plain optimizer's) has for
     ``opt``: groups of other sizes (then its indices mean other parameters, so nothing more is
@@ -419,6 +472,7 @@ def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd:
     problems += kind_problems(opt, osd["param_groups"])
     inside = {k: v for k, v in osd["state"].items() if k not in outside}
     shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].full_shape)  # noqa: E731
+    problems += coverage_problems(opt, _state_keys(inside), lambda i: i, lambda i: f"{i} ('{fqn[i]}')")
     return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
 
 
@@ -476,6 +530,9 @@ def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, o
     if not problems:  # the groups pair up with the optimizer's
         problems += kind_problems(opt, osd["param_groups"])
     known = {n: e for n, e in osd["state"].items() if n in index}
+    if not problems:  # the groups pair up: each parameter's name is its entry's key
+        names = [n for group in _group_names(model, opt) for n in group]
+        problems += coverage_problems(opt, _state_keys(known), lambda i: names[i], lambda n: f"'{n}'")
     return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].full_shape), lambda n: f"'{n}'")
 
 

@@ -605,3 +605,70 @@ def test_background_save_stages_a_copy_and_commits_atomically(tmp_path):
                 loaded, expected = r[name]
                 assert_states(loaded, expected, 0, f"background save {name}")
     assert sorted(os.listdir(tmp_path)) == ["ckpt-a", "ckpt-b"]
+
+
+# ---- optimizer state the load would lose or leave incomplete --------------------------------------
+
+
+def on_ranks_incomplete_optimizer_state(path: str, door: str, damage: str, trained: bool) -> dict:
+    """An optimizer state dict with one parameter's entry gone, or one key of it gone, loaded into
+    an optimizer that has stepped (``trained``) or a fresh one: refused on every rank, naming the
+    parameter, the model and the optimizer unchanged, and training goes on. torch's
+    ``load_state_dict`` took both: a missing entry reset that parameter's AdamW moments silently,
+    a missing key made the next ``step()`` raise ``KeyError``."""
+    from shardwrap import load_checkpoint, save_checkpoint
+
+    case = Case(**{**MLP.__dict__, "optim": "adamw"})
+    model, opt = make(case)
+    train(case, model, opt, range(2))
+    key: object = None
+    if door == "checkpoint":  # the saved optimizer never stepped head.bias: no state for it
+        source, source_opt = make(case)
+        source.module.head.bias.requires_grad_(False)
+        train(case, source, source_opt, range(2))
+        save_checkpoint(path, source, source_opt)
+    elif door == "sharded":
+        osd = model.sharded_optim_state_dict(opt)
+    else:
+        osd = model.full_optim_state_dict(opt, rank0_only=False)
+    if door != "checkpoint":
+        key = "head.weight" if door == "sharded" else len(osd["state"]) - 2
+        if damage == "entry":
+            del osd["state"][key]
+        else:
+            osd["state"][key] = {k: v for k, v in osd["state"][key].items() if k != "exp_avg_sq"}
+    target, target_opt = (model, opt) if trained else make(case)
+    before = target.full_state_dict(rank0_only=False)
+    opt_before = {i: {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in e.items()}
+                  for i, e in target_opt.state_dict()["state"].items()}
+    try:
+        if door == "checkpoint":
+            load_checkpoint(path, target, target_opt)
+        elif door == "sharded":
+            target.load_sharded_optim_state_dict(target_opt, osd)
+        else:
+            target.load_full_optim_state_dict(target_opt, osd)
+        error = "no error"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = target.full_state_dict(rank0_only=False)
+    opt_after = target_opt.state_dict()["state"]
+    unchanged = all(torch.equal(before[k], after[k]) for k in before) and set(opt_after) == set(opt_before) and all(
+        set(opt_after[i]) == set(e) and all(torch.equal(e[k], opt_after[i][k].full_tensor() if hasattr(opt_after[i][k], "full_tensor") else opt_after[i][k]) for k in e)
+        for i, e in opt_before.items()
+    )
+    train(case, target, target_opt, range(2, 3))  # it can go on
+    return {"error": error, "unchanged": unchanged, "named": f"{key} (" if door == "full" else "'head.weight'"}
+
+
+@pytest.mark.parametrize(
+    "door,damage,trained",
+    [("sharded", "entry", True), ("sharded", "key", True), ("sharded", "key", False),
+     ("full", "entry", True), ("full", "key", False), ("checkpoint", "entry", True)],
+)
+def test_optimizer_state_that_a_load_would_lose_is_refused_and_changes_nothing(tmp_path, door, damage, trained):
+    wanted = "exp_avg_sq" if damage == "key" else "no optimizer state for"
+    for r in run_on_ranks(2, on_ranks_incomplete_optimizer_state, str(tmp_path / "ckpt"), door, damage, trained):
+        named = "'head.bias'" if door == "checkpoint" else r["named"]
+        assert named in r["error"] and wanted in r["error"], r["error"]
+        assert r["unchanged"], r

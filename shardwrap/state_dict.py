@@ -436,7 +436,7 @@ def _first_step_keys(opt: torch.optim.Optimizer, g: int, dim: int, cache: dict[t
             try:
                 probe = type(opt)([dummy], **opt.defaults)
             except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
-                probe = type(opt)([dummy])
+                probe = type(opt)([dummy])  # type: ignore[call-arg]
             probe.param_groups[0].update({k: v for k, v in opt.param_groups[g].items() if k != "params"})
             dummy.grad = torch.zeros_like(dummy)
             probe.step()

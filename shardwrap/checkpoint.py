@@ -86,7 +86,12 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def _write(state: dict[str, Any], tmp: str, group: collectives.Group) -> Metadata:
-    return dcp.save(state, storage_writer=_Writer(tmp), process_group=group)
+    # A tensor every rank holds whole (a buffer: BatchNorm's running statistics, which differ
+    # between ranks without SyncBatchNorm) is written by the first rank, as full_state_dict and
+    # save_full take it; DCP's default spreads such tensors over the ranks to balance the writes,
+    # so a resume got some other rank's statistics.
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    return dcp.save(state, storage_writer=_Writer(tmp), process_group=group, planner=planner)
 
 
 def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:

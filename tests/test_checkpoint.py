@@ -672,3 +672,37 @@ def test_optimizer_state_that_a_load_would_lose_is_refused_and_changes_nothing(t
         named = "'head.bias'" if door == "checkpoint" else r["named"]
         assert named in r["error"] and wanted in r["error"], r["error"]
         assert r["unchanged"], r
+
+
+def on_ranks_buffers_differ(path: str) -> dict:
+    """BatchNorm's running statistics differ between ranks (each sees its own data, no
+    SyncBatchNorm). Every door saves the first rank's, as ``save_full`` does and DDP keeps them; DCP's default planner wrote each replicated tensor from whichever rank balanced
+    the writes, so ``load_checkpoint`` restored another rank's statistics than ``load_full``."""
+    from shardwrap import ShardedModule, load_checkpoint, load_full, save_checkpoint, save_full
+
+    def build() -> ShardedModule:
+        torch.manual_seed(0)
+        return ShardedModule(models.WithBuffers(), auto_wrap_policy={models.Block}, stage=3)
+
+    model = build()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank())) * (1 + dist.get_rank())
+    model(x).sum().backward()
+    mine = {k: v.clone() for k, v in model.module.norm.state_dict().items() if "running" in k}
+    first = {f"norm.{k}": v.clone() for k, v in mine.items()}
+    for v in first.values():
+        dist.broadcast(v, 0)
+    save_checkpoint(path, model)
+    save_full(path + ".pt", model)
+    out = {"differ": not torch.equal(mine["running_var"], first["norm.running_var"]) or dist.get_rank() == 0}
+    for door in ("checkpoint", "full"):
+        other = build()
+        (load_checkpoint if door == "checkpoint" else load_full)(path if door == "checkpoint" else path + ".pt", other)
+        got = other.module.norm.state_dict()
+        out[door] = all(torch.equal(got[k.removeprefix("norm.")], v) for k, v in first.items())
+    return out
+
+
+def test_buffers_that_differ_between_ranks_load_as_the_first_ranks_through_every_door(tmp_path):
+    for r in run_on_ranks(2, on_ranks_buffers_differ, str(tmp_path / "ckpt")):
+        assert r["differ"], "the ranks' statistics are equal: the test proves nothing"
+        assert r["checkpoint"] and r["full"], r

@@ -6,6 +6,8 @@ dtype (fp32). See design/notes/mixed-precision.md.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,13 +35,25 @@ class MixedPrecision:
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    """``obj`` with every floating tensor inside cast to ``dtype``: tuples (namedtuples keep their
+    type), lists, dicts (their type kept where it can be rebuilt from pairs) and dataclasses, as
+    ``fully_shard`` casts a module's inputs. Other objects are passed as they are."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, tuple):
-        return tuple(cast_floating(o, dtype) for o in obj)
+        items = [cast_floating(o, dtype) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items) if type(obj) is not tuple else tuple(items)
     if isinstance(obj, list):
         return [cast_floating(o, dtype) for o in obj]
     if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+        pairs = [(k, cast_floating(v, dtype)) for k, v in obj.items()]
+        try:
+            return type(obj)(pairs)
+        except Exception:  # a mapping type built otherwise: a plain dict holds the same entries
+            return dict(pairs)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(changed, field.name, cast_floating(getattr(obj, field.name), dtype))  # frozen ones too
+        return changed
     return obj

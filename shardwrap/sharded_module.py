@@ -801,7 +801,7 @@ class ShardedModule(nn.Module):
                 _RETIRED_PARAMS[old] = plan.fqns[j]
                 _SHARDED_PARAMS[new] = weakref.ref(unit)
             hooked = checkpoint_wrappers.get(id(plan.module), plan.module)
-            hooked.register_forward_pre_hook(outside_compile(outside_checkpoint_modes(unit.pre_forward)), prepend=True)
+            hooked.register_forward_pre_hook(outside_compile(outside_checkpoint_modes(unit.pre_forward)), prepend=True, with_kwargs=True)
             hooked.register_forward_hook(outside_compile(outside_checkpoint_modes(unit.post_forward)))
             self._unit_of_module[id(plan.module)] = (plan.module, unit)
             built[i] = unit

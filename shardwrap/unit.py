@@ -43,6 +43,7 @@ from shardwrap import collectives
 from shardwrap.offload import OffloadStore
 from shardwrap.spare import return_free_heap
 from shardwrap.flat_param import FlatLayout, ParamSlot, TensorParallel
+from shardwrap.mixed_precision import cast_floating
 from shardwrap.stage import Stage
 
 if TYPE_CHECKING:
@@ -406,6 +407,7 @@ class Unit:
         self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
         self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
         self.param_dtype = param_dtype or self.dtype  # all-gather and compute
+        self.input_dtype = param_dtype  # floating inputs are cast to it (None: no policy, no cast)
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
@@ -709,14 +711,23 @@ class Unit:
 
     # ---- the four hooks -----------------------------------------------------------------------
 
-    def pre_forward(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: gather the parameters and point the module's slots at them.
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        """Forward pre-hook: gather the parameters and point the module's slots at them; under
+        mixed precision, cast the floating inputs to ``param_dtype`` (``fully_shard``'s
+        ``cast_forward_inputs``: an fp32 activation the root makes, from an fp32 buffer say,
+        reaches the unit in the compute dtype).
 
         During backward this is activation checkpointing recomputing the unit: its pre_backward
         (or an earlier unit's recomputation) already owns the gather, and its post_backward the
         reshard, so the recomputation only makes sure the data is there and installs fresh views
         (design/notes/activation-checkpointing.md).
         """
+        self._gather_before_forward(module)
+        if self.input_dtype is None:
+            return None
+        return cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
+
+    def _gather_before_forward(self, module: nn.Module) -> None:
         root = self._root
         if root.in_backward():
             self._gather_for_backward()

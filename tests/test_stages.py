@@ -487,3 +487,86 @@ def test_a_gather_header_says_how_many_gathers_its_rank_started_together():
     assert header_text(collectives.HEADER_FORWARD + (0xABCDEF << 8), 1 + (2 << 32), names) == (
         "all-gather of unit 'blocks.0' in forward (the first of 2 gathers started together)")
     assert header_text(collectives.HEADER_BACKWARD, 7, names) == "all-gather of unit '#7' in backward"
+
+
+class CastInputs(torch.nn.Module):
+    """A root whose forward takes a namedtuple, a dataclass or a tensor, and hands its Blocks an
+    fp32 activation (its output plus an fp32 buffer): ``fully_shard`` casts each wrapped module's
+    floating inputs to ``param_dtype``; shardwrap cast only the root's, so the Blocks met fp32
+    inputs (a dtype error) and a namedtuple became a plain tuple."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(models.Block(16) for _ in range(2))
+        self.register_buffer("pos", torch.randn(16))
+
+    def forward(self, a):  # type: ignore[no-untyped-def]
+        x = self.inp(a if self.kind == "tensor" else a.x)
+        x = x + self.pos if self.kind == "tensor" else x  # bf16 + fp32: fp32 into the Blocks
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def on_ranks_input_casts(kind: str, stage: int, optim: str) -> dict:
+    """shardwrap and fully_shard, both bf16 compute with fp32 reduction, on the same data:
+    the parameters after three steps, and each one's distance from the unwrapped fp32 run."""
+    import collections
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardwrap import MixedPrecision, ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    Pair = collections.namedtuple("Pair", "x")
+
+    @dataclasses.dataclass
+    class Box:
+        x: torch.Tensor
+
+    def pack(x):  # type: ignore[no-untyped-def]
+        return Pair(x) if kind == "namedtuple" else Box(x) if kind == "dataclass" else x
+
+    bf16 = torch.bfloat16
+    models_ = {}
+    for impl in ("single", "fully_shard", "shardwrap"):
+        torch.manual_seed(0)
+        m = CastInputs(kind)
+        if impl == "shardwrap":
+            m = ShardedModule(m, auto_wrap_policy={models.Block}, stage=stage, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))
+        elif impl == "fully_shard":
+            mesh, policy = init_device_mesh("cpu", (world,)), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+            for block in m.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+            fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(m.parameters(), lr=0.01)
+        for step in range(3):
+            x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(step))
+            x = x if impl == "single" else x.chunk(world)[rank]
+            out = m(pack(x))
+            assert out.dtype == (torch.float32 if impl == "single" else bf16), (impl, out.dtype)
+            out.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        models_[impl] = m
+    full = models_["shardwrap"].full_state_dict(rank0_only=False)
+    reference = {k: v.detach().full_tensor() if isinstance(v, DTensor) else v.detach() for k, v in models_["fully_shard"].state_dict().items()}
+    single = dict(models_["single"].state_dict())
+    return {
+        "to fully_shard": max((full[k].float() - v.float()).abs().max().item() for k, v in reference.items()),
+        "to single": max((full[k].float() - v.float()).abs().max().item() for k, v in single.items()),
+        "fully_shard to single": max((reference[k].float() - v.float()).abs().max().item() for k, v in single.items()),
+    }
+
+
+@pytest.mark.parametrize("kind", ["tensor", "namedtuple", "dataclass"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_mixed_precision_casts_each_units_inputs_like_fully_shard(kind, stage, optim):
+    for r in run_on_ranks(2, on_ranks_input_casts, kind, stage, optim):
+        assert r["to fully_shard"] < 1e-6, r
+        assert r["to single"] <= r["fully_shard to single"] + 1e-6, r  # no further from fp32 than fully_shard

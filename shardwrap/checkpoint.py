@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from shardwrap import checkpoint_files as files
 from shardwrap import collectives, state_dict
@@ -86,12 +87,20 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def _write(state: dict[str, Any], tmp: str, group: collectives.Group) -> Metadata:
-    # A tensor every rank holds whole (a buffer: BatchNorm's running statistics, which differ
-    # between ranks without SyncBatchNorm) is written by the first rank, as full_state_dict and
-    # save_full take it; DCP's default spreads such tensors over the ranks to balance the writes,
-    # so a resume got some other rank's statistics.
-    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    return dcp.save(state, storage_writer=_Writer(tmp), process_group=group, planner=planner)
+    return dcp.save(state, storage_writer=_Writer(tmp), process_group=group)
+
+
+def _first_ranks_buffers(model: "ShardedModule", sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` with every plain tensor (a buffer: BatchNorm's running statistics differ between
+    ranks without SyncBatchNorm) replaced by a copy of the first rank's, as ``save_full`` saves
+    them: DCP writes each tensor every rank holds whole from whichever rank balances the writes, so
+    a resume got some other rank's statistics. One broadcast per dtype; the live buffers stay."""
+    plain = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
+    if not plain or model.world_group.size() == 1:
+        return sd
+    copies = [sd[k].detach().clone() for k in plain]
+    collectives.broadcast_tensors(copies, model.world_group)
+    return {**sd, **dict(zip(plain, copies))}
 
 
 def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:
@@ -278,7 +287,7 @@ def save_checkpoint_with(
     directory, and the manifest covers them. ``load_checkpoint_with`` reads them back."""
     global _pending
     wait_for_saves()
-    state: dict[str, Any] = {"model": model.state_dict()}
+    state: dict[str, Any] = {"model": _first_ranks_buffers(model, model.state_dict())}
     if optimizer is not None:
         state["optim"] = model.sharded_optim_state_dict(optimizer)
     extras = dict(extra_files)
@@ -385,12 +394,10 @@ def _optim_template(
     template: dict[str, Any] = {"state": {}, "param_groups": []}
     unknown: list[str] = []
     problems: list[str] = []
-    saved_keys: dict[str, list[str]] = {}
     for path, entry in entries:
         value: Any = None  # a non-tensor entry: DCP puts the loaded value here
         if path[0] == "state" and len(path) == 3:
             name, key = str(path[1]), path[2]
-            saved_keys.setdefault(name, []).append(str(key))
             if name not in index:
                 unknown += [name] if name not in unknown else []
                 continue
@@ -409,8 +416,6 @@ def _optim_template(
         files.set_path(template, path, value)
     if unknown:
         problems.insert(0, f"optimizer state for parameters this optimizer does not hold: {state_dict.listed(unknown)}")
-    names = [n for n, _ in sorted(index.items(), key=lambda item: item[1][0])]  # the optimizer's order
-    problems += state_dict.coverage_problems(optimizer, saved_keys, lambda i: names[i], lambda n: f"'{n}'")
     return template, problems
 
 

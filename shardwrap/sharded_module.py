@@ -994,8 +994,10 @@ class ShardedModule(nn.Module):
         pre_forward = outside_compile(outside_checkpoint_modes(unit.pre_forward))
         post_forward = outside_compile(outside_checkpoint_modes(unit.post_forward))
 
-        def run(*args: Any, **kwargs: Any) -> Any:  # the hooks see the positional arguments, as for forward
-            pre_forward(target, args)
+        def run(*args: Any, **kwargs: Any) -> Any:  # the hooks see the arguments, as for forward
+            cast = pre_forward(target, args, kwargs)
+            if cast is not None:  # mixed precision: the method's floating inputs in param_dtype
+                args, kwargs = cast
             return post_forward(target, args, bound(*args, **kwargs))
 
         def as_forward(*args: Any, **kwargs: Any) -> Any:

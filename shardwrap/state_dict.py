@@ -397,52 +397,61 @@ def _state_shape_problems(state: Mapping[Any, Any], shape_of: Callable[[Any], tu
     return problems
 
 
-def coverage_problems(opt: torch.optim.Optimizer, saved: Mapping[Any, Any], key_of: Callable[[int], Any], name: Callable[[Any], str]) -> list[str]:
-    """State the load would lose or leave incomplete, which torch's ``load_state_dict`` takes as
-    it is: ``saved`` maps each saved entry's key (``key_of(position)``: a parameter's name or
-    index) to its state keys. A parameter this optimizer holds state for must have an entry with
-    at least those keys (else its moments are reset, silently, or the next ``step()`` raises
-    ``KeyError``); on a parameter without state yet (a fresh optimizer) an entry must have the
-    keys this optimizer's first step makes (found on a one-element copy; skipped where the
-    optimizer cannot be rebuilt so). A missing entry is allowed there: a parameter that never had
-    a gradient has none. An entry that shares no key with what is needed was saved by another
-    kind of optimizer, which ``kind_problems`` names."""
+def coverage_problems(
+    opt: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]], saved: Mapping[Any, Any], key_of: Callable[[int], Any], name: Callable[[Any], str]
+) -> list[str]:
+    """Saved optimizer state the next ``step()`` could not use, which torch's ``load_state_dict``
+    takes as it is (the step then raises ``KeyError``): an entry that lacks a key the first step
+    of this optimizer makes under the saved group's options (found on a one-element copy, so a
+    checkpoint saved without ``amsgrad`` loads into an optimizer built with it, as torch loads
+    it). ``saved`` maps each entry's key (``key_of(position)``: a parameter's name or index) to its
+    state keys; call it once the groups pair up. A missing entry is no problem: the load restores
+    the saved state, in which that parameter (one that had no gradient yet) has none. An entry
+    that shares no key with what is needed was saved by another kind of optimizer, which
+    ``kind_problems`` names. Only torch's own optimizers are probed."""
+    if not type(opt).__module__.startswith("torch.optim"):
+        return []
     problems: list[str] = []
-    fresh: dict[tuple[int, int], set[str] | None] = {}
+    cache: dict[tuple[int, int], set[str] | None] = {}
     position = 0
-    for g, group in enumerate(opt.param_groups):
+    for g, (group, saved_group) in enumerate(zip(opt.param_groups, saved_groups)):
         for p in group["params"]:
             key, position = key_of(position), position + 1
-            live, keys = opt.state.get(p), saved.get(key)
-            if live:
-                if keys is None:
-                    problems.append(f"no optimizer state for {name(key)}, which this optimizer holds ({sorted(live)}): the load would drop it")
-                elif set(live) - set(keys) and set(live) & set(keys):
-                    problems.append(f"optimizer state for {name(key)} lacks {sorted(set(live) - set(keys))}, which this optimizer holds")
-            elif keys is not None:
-                need = _first_step_keys(opt, g, p.dim(), fresh)
-                if need is not None and need - set(keys) and need & set(keys):
-                    problems.append(f"optimizer state for {name(key)} lacks {sorted(need - set(keys))}, which {type(opt).__name__}'s step needs")
+            keys = saved.get(key)
+            if keys is None:
+                continue
+            need = _first_step_keys(opt, saved_group, g, p.dim(), cache)
+            if need is not None and need - set(keys) and need & set(keys):
+                problems.append(f"optimizer state for {name(key)} lacks {sorted(need - set(keys))}, which {type(opt).__name__}'s step needs")
     return problems
 
 
-def _first_step_keys(opt: torch.optim.Optimizer, g: int, dim: int, cache: dict[tuple[int, int], set[str] | None]) -> set[str] | None:
-    """The state keys one step of ``opt``'s kind makes for a parameter of ``dim`` dimensions in
-    param group ``g`` (a zero gradient on a one-element copy; ``opt`` is not touched), or None
-    where the optimizer cannot be rebuilt from its defaults."""
+def _first_step_keys(opt: torch.optim.Optimizer, options: Mapping[str, Any], g: int, dim: int, cache: dict[tuple[int, int], set[str] | None]) -> set[str] | None:
+    """The state keys one step of ``opt``'s kind makes for a parameter of ``dim`` dimensions under
+    the param group ``options`` (a zero gradient on a one-element copy, with torch's global
+    optimizer hooks held back; ``opt`` is not touched), or None where it cannot be built so."""
     if (g, dim) not in cache:
+        from torch.optim import optimizer as torch_optimizer
+
+        hooks: tuple[Any, ...] = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+        held = [dict(h) for h in hooks]
         try:
+            for h in hooks:
+                h.clear()
             dummy = torch.zeros((1,) * dim, requires_grad=True)
             try:
                 probe = type(opt)([dummy], **opt.defaults)
             except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
                 probe = type(opt)([dummy])  # type: ignore[call-arg]
-            probe.param_groups[0].update({k: v for k, v in opt.param_groups[g].items() if k != "params"})
+            probe.param_groups[0].update({k: v for k, v in options.items() if k != "params"})
             dummy.grad = torch.zeros_like(dummy)
             probe.step()
             cache[(g, dim)] = set(probe.state[dummy])
-        except Exception:  # a custom optimizer built otherwise: the real load decides, as before
+        except Exception:  # options this copy cannot run with (a closure, capturable): the real load decides
             cache[(g, dim)] = None
+        finally:
+            for h, kept in zip(hooks, held):
+                h.update(kept)
     return cache[(g, dim)]
 
 
@@ -472,7 +481,7 @@ def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd:
     problems += kind_problems(opt, osd["param_groups"])
     inside = {k: v for k, v in osd["state"].items() if k not in outside}
     shape = lambda i: tuple(slots[i][0].layout.slots[slots[i][1]].full_shape)  # noqa: E731
-    problems += coverage_problems(opt, _state_keys(inside), lambda i: i, lambda i: f"{i} ('{fqn[i]}')")
+    problems += coverage_problems(opt, osd["param_groups"], _state_keys(inside), lambda i: i, lambda i: f"{i} ('{fqn[i]}')")
     return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
 
 
@@ -532,7 +541,7 @@ def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, o
     known = {n: e for n, e in osd["state"].items() if n in index}
     if not problems:  # the groups pair up: each parameter's name is its entry's key
         names = [n for group in _group_names(model, opt) for n in group]
-        problems += coverage_problems(opt, _state_keys(known), lambda i: names[i], lambda n: f"'{n}'")
+        problems += coverage_problems(opt, osd["param_groups"], _state_keys(known), lambda i: names[i], lambda n: f"'{n}'")
     return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].full_shape), lambda n: f"'{n}'")
 
 

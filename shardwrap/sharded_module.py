@@ -38,7 +38,7 @@ from shardwrap.schedule import CollectiveSchedule
 from shardwrap.spare import Spares
 from shardwrap.stage import Stage
 from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_checkpoint_modes, outside_compile
-from shardwrap.wrap import PolicyLike, as_policy
+from shardwrap.wrap import PolicyLike, as_policy, has_forward
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
 _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -86,6 +86,22 @@ def _lowest_common_ancestor(units: list[_UnitPlan]) -> _UnitPlan:
         else:
             break
     return lca
+
+
+def _refuse_uncalled_units(root: nn.Module, unit_modules: list[nn.Module]) -> None:
+    """A unit's hooks run around its ``forward``: a container without one (``nn.ModuleList``,
+    ``nn.ModuleDict``) is never called, so its parameters would never be gathered, and the first
+    forward would fail far from the cause. Refused here, as ``fully_shard`` refuses it."""
+    names = {id(m): n for n, m in root.named_modules()}
+    uncalled = [m for m in unit_modules if not has_forward(m)]
+    if uncalled:
+        listed = ", ".join(f"'{names.get(id(m), '?')}' ({type(m).__name__})" for m in uncalled)
+        raise ValueError(
+            f"ShardedModule: auto_wrap_policy selected {listed}, which has no forward of its own: its "
+            f"parameters are used by its parent's forward, outside any call of the container, so no "
+            f"unit hook could gather them. Select the modules inside it (for a list of blocks, the "
+            f"block class: auto_wrap_policy={{Block}})"
+        )
 
 
 def _plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[_UnitPlan]:
@@ -697,6 +713,7 @@ class ShardedModule(nn.Module):
         if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
             described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
             agreement.check_same_model(described, collectives.default_group())
+        _refuse_uncalled_units(module, unit_modules)  # after the agreement: the same verdict on every rank
         tensor_parallel = _tensor_parallel_meshes(plans, mesh, offload)
         if offload is not None and offload.optimizer == "disk":  # every rank learns every rank's problem
             elements = sum(FlatLayout(p.fqns, p.params, collectives.world_size()).shard_numel + 1 for p in plans)

@@ -38,10 +38,18 @@ class CallablePolicy:
         return [m for m in root.modules() if m is not root and self.fn(m)]
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether the module's class defines ``forward`` (``nn.ModuleList`` and ``nn.ModuleDict`` do
+    not: they are never called, so they cannot be units)."""
+    return type(module).forward is not nn.Module.forward
+
+
 @dataclass(frozen=True)
 class SizePolicy:
     """Bottom-up: a submodule starts a unit when the parameters it would own (those not already
-    owned by a unit below it) number at least ``min_num_params``."""
+    owned by a unit below it) number at least ``min_num_params``. A container without a forward
+    of its own (``nn.ModuleList``, ``nn.ModuleDict``) never does: its parameters count towards its
+    parent, as torch's ``size_based_auto_wrap_policy`` leaves those containers out."""
 
     min_num_params: int
 
@@ -56,7 +64,7 @@ class SizePolicy:
             count = sum(p.numel() for p in module.parameters(recurse=False))
             for child in module.children():
                 below = unowned(child)
-                if below >= self.min_num_params:
+                if below >= self.min_num_params and has_forward(child):
                     selected.append(child)
                 else:
                     count += below

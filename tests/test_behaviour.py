@@ -342,6 +342,8 @@ def on_ranks_units_and_groups() -> dict:
         "trainable_local": trainable_local,
         "n_frozen": len(frozen),
         "size_units": [h.name for h in ShardedModule(models.mlp(16, 3), auto_wrap_policy=SizePolicy(1000)).units],
+        # Blocks of 1,104 under a threshold of 2,000: the ModuleList (3,312) is no unit, having no forward
+        "size_units_list": [h.name for h in ShardedModule(models.mlp(16, 3), auto_wrap_policy=SizePolicy(2000)).units],
     }
 
 
@@ -355,6 +357,7 @@ def test_tied_owner_user_mesh_name_groups_and_frozen_memory():
         assert r["grad_numel"] == r["trainable_local"], r
         # A Block has 1,104 parameters (>= 1000) while its layers have 544 at most; inp and head stay in the root.
         assert r["size_units"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], r["size_units"]
+        assert r["size_units_list"] == ["<root>"], r["size_units_list"]  # the policy once picked 'blocks'
 
 
 # ---- polling a reduce-scatter in flight -------------------------------------------------------

@@ -10,6 +10,7 @@ The tensor functions work on flat 1-D tensors over the process group of a 1-D me
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import weakref
 from collections import Counter
@@ -260,11 +261,19 @@ def _exchange(
 HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS = 1, 2, 3
 
 
-def exchange_counts(count: int, group: dist.ProcessGroup) -> tuple[dist.Work | None, torch.Tensor]:
-    """Start gathering ``[HEADER_COUNTS, count]`` from every rank (CPU groups); returns the work
-    and the ``(W, 2)`` output. Counted apart from the data all-gathers, under ``"counts"``.
+def digest48(indices: Sequence[int]) -> int:
+    """A 48-bit digest of a list of unit indices: the same on every rank for the same list."""
+    data = b"".join(i.to_bytes(4, "little") for i in indices)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=6).digest(), "little")
+
+
+def exchange_counts(count: int, group: dist.ProcessGroup, digest: int = 0) -> tuple[dist.Work | None, torch.Tensor]:
+    """Start gathering ``[HEADER_COUNTS + (digest << 8), count]`` from every rank (CPU groups);
+    returns the work and the ``(W, 2)`` output. ``digest``: 48 bits that every rank must agree
+    on (a backward's first exchange: its reduce-scatter order). Counted apart from the data
+    all-gathers, under ``"counts"``.
     """
-    mine = torch.tensor([HEADER_COUNTS, count], dtype=torch.int64)
+    mine = torch.tensor([HEADER_COUNTS + (digest << 8), count], dtype=torch.int64)
     _count_tensor("counts", mine)
     out = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64)
     work = _all_gather_single(out.view(-1), mine, group=group, async_op=True)

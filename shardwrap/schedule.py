@@ -54,7 +54,7 @@ def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> s
         phase = "forward" if base == collectives.HEADER_FORWARD else "backward"
         started = f" (the first of {together} gathers started together)" if together else ""
         return f"all-gather of unit '{name}' in {phase}{started}"
-    if kind == collectives.HEADER_COUNTS:
+    if base == collectives.HEADER_COUNTS:
         return "a reduce-scatter count exchange in backward"
     return f"an unknown exchange ({kind}, {value})"
 
@@ -183,6 +183,7 @@ class CollectiveSchedule:
         # sequence checked, and the rest are left out (design/notes/collective-schedule.md).
         self._one_count = self._counting and all(u.reduces_pairwise for u in self._reduce)
         self._counts_issued = 0
+        self._order_checked = False  # the first count exchange (it carries the reduce-scatter order) was waited for
         self._started = self._started_everywhere = 0
 
     def gathers_through(self, unit: Unit) -> Iterator[Unit]:
@@ -226,18 +227,31 @@ class CollectiveSchedule:
         how many reduce-scatters this one has started; where every reduce-scatter of the backward
         is pairwise, beside the first only (design/notes/collective-schedule.md)."""
         if self._counting and self.group is not None and not (self._one_count and self._counts_issued):
+            # The first carries a digest of this backward's reduce-scatter order: ranks whose
+            # forwards ran different units would pair their reduce-scatters wrongly
+            # (check_landed_exchanges waits for it before the first one starts).
+            digest = collectives.digest48([u.index for u in self._reduce]) if self._counts_issued == 0 else 0
             self._counts_issued += 1
-            self._exchanges.append(collectives.exchange_counts(self._started, self.group))
+            self._exchanges.append(collectives.exchange_counts(self._started, self.group, digest))
 
     def _wait_exchange(self, work: collectives.Work | None, counts: torch.Tensor) -> None:
         """Wait for a count exchange; raise if a peer sent something else in its place (its
         sequence diverged: design/notes/rank-agreement.md)."""
         collectives.wait(work, "a reduce-scatter count exchange in backward")
+        self._order_checked = True
         kinds = counts[:, 0].tolist()
-        if any(k != collectives.HEADER_COUNTS for k in kinds):
+        if any(k & 0xFF != collectives.HEADER_COUNTS for k in kinds):
             names = list(self._reduce[0].unit_names) if self._reduce else None
             seen = ", ".join(f"rank {r}: {header_text(k, int(v), names)}" for r, (k, v) in enumerate(counts.tolist()))
             raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
+        if len(set(kinds)) > 1:  # the first exchange's digests of the reduce-scatter order differ
+            differ = ", ".join(f"rank {r}" for r, k in enumerate(kinds) if k != kinds[torch.distributed.get_rank(self.group)])
+            order = ", ".join(f"'{u.name}'" for u in self._reduce)
+            raise self.out_of_step(
+                f"rank {collectives.rank()}: shardwrap: ranks disagree on which units this backward reduces: "
+                f"their forwards ran different units (this rank's, in reduce order: {order}; {differ} ran others). "
+                f"{OUT_OF_STEP_HINT}"
+            )
 
     def reductions_due(self) -> Iterator[Unit]:
         """Units whose reduce-scatter may start now, in order: each has its gradient packed and
@@ -278,7 +292,9 @@ class CollectiveSchedule:
         one's with another meaning (a header of its next forward: it left this backward out)
         makes every rank raise before a reduce-scatter that peer will never issue
         (design/notes/rank-agreement.md, "After ranks disagreed")."""
-        while self._exchanges and (self._exchanges[0][0] is None or self._exchanges[0][0].is_completed()):
+        while self._exchanges and (
+            self._exchanges[0][0] is None or self._exchanges[0][0].is_completed() or not self._order_checked
+        ):  # the first exchange is waited for: no reduce-scatter may start before the order is agreed
             work, counts = self._exchanges.popleft()
             self._wait_exchange(work, counts)
             self._started_everywhere = max(self._started_everywhere, int(counts[:, 1].min()))

@@ -20,7 +20,6 @@ import copy
 import copyreg
 import dataclasses
 import functools
-import hashlib
 import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,12 +77,6 @@ class TrainingState(Enum):
 
 
 _WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwrap-reduce-waiter")
-
-
-def _digest48(indices: Sequence[int]) -> int:
-    """A 48-bit digest of a list of unit indices: the same on every rank for the same list."""
-    data = b"".join(i.to_bytes(4, "little") for i in indices)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=6).digest(), "little")
 
 
 class _WaiterProbe:
@@ -1054,7 +1047,7 @@ class Unit:
         if self._root.in_backward():  # a peer that left this backward out may have said so already
             self._root.schedule.check_landed_exchanges()
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
-        mine = [kind + (_digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
+        mine = [kind + (collectives.digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
         rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
         if any(row != mine for row in rows):
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text

@@ -361,6 +361,54 @@ def test_one_extra_forward_on_one_rank_gives_the_answer_or_a_named_error(stage):
         assert_close_params(results[0]["full"][name], value, "sgd", EXTRA.steps, name)
 
 
+class Branchy(nn.Module):
+    """``branch`` (4 x 8) runs only where ``use`` is set; ``head`` (4 x 4) always: units of other
+    sizes, so reduce-scatters that paired across them met pairwise messages of other lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch, self.head = nn.Linear(4, 8), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        return self.head(x + self.branch(x)[:, :4] if use else x)
+
+
+def on_ranks_skipped_unit(stage: int, accumulate: bool) -> list[str]:
+    from shardwrap import ShardedModule
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = ShardedModule(Branchy(), auto_wrap_policy={nn.Linear}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for step in range(3):
+        use = step == 0 or rank == 0  # from step 1 on, the last rank's forwards leave the branch out
+        try:
+            if accumulate:  # micro-batches under no_sync: stages 1 and 2 gather nothing in their forwards
+                with model.no_sync():
+                    model(torch.randn(2, 4), use).sum().backward()
+            model(torch.randn(2, 4), use).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_unit_one_rank_skips_in_forward_gives_a_named_error_on_every_rank(stage, accumulate):
+    """Stage 1's forward (and stage 2's, after a no_sync micro-batch) gathers nothing, so no header
+    caught a forward that left a unit out on one rank: the backward's reduce-scatters paired across
+    different units, silently where the sizes agreed, and a fuzz run ended in gloo's abort
+    (SIGABRT) where they did not. The first count exchange of each backward now carries a digest of
+    its reduce-scatter order, and no reduce-scatter starts before it is compared."""
+    for errors in run_on_ranks(2, on_ranks_skipped_unit, stage, accumulate, timeout=60, pg_timeout=5):
+        assert errors, "no error: the ranks reduced different units without noticing"
+        assert "ranks disagree" in errors[0], errors
+        assert all("ranks disagree" in e or "last checkpoint" in e for e in errors), errors
+
+
 def on_ranks_go_on_after_disagreeing(stage: int, tmp: str) -> dict:
     """Rank 0 alone runs an evaluation forward after step 0 (a bug: "log a sample on rank 0"); the
     training loop catches each step's error and goes on, then saves. Every call's outcome, per rank."""

@@ -25,7 +25,7 @@ never writes it.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -69,6 +69,7 @@ class CollectiveSchedule:
         self.group = group
         self.max_reduces_in_flight = max_reduces_in_flight
         self._counting = False  # exchange counts in this backward
+        self._accumulated: list[int] = []  # units with no_sync gradients outside this backward's schedule
         self._one_count = False  # ... at the first scheduled unit only (every reduce-scatter is pairwise)
         self._counts_issued = 0
         self._started = 0  # reduce-scatters this rank started in this backward
@@ -172,9 +173,13 @@ class CollectiveSchedule:
 
     # ---- backward -----------------------------------------------------------------------------
 
-    def begin_backward(self, *, sync: bool) -> None:
+    def begin_backward(self, *, sync: bool, accumulated: Sequence[int] = ()) -> None:
+        """``accumulated``: the indices of units holding gradients from ``no_sync`` backwards,
+        which the end of backward reduces too: the order digest covers them with the rest."""
         self._gather, self._gather_pos = self.post_forward[::-1], 0
         self._reduce, self._reduce_pos = [u for u in self.pre_forward[::-1] if u.trains], 0
+        scheduled = {u.index for u in self._reduce}
+        self._accumulated = sorted(i for i in accumulated if i not in scheduled)
         self.prefetched.clear()
         self._released = False
         self._counting = sync and self.group is not None and collectives.world_size() > 1
@@ -230,7 +235,8 @@ class CollectiveSchedule:
             # The first carries a digest of this backward's reduce-scatter order: ranks whose
             # forwards ran different units would pair their reduce-scatters wrongly
             # (check_landed_exchanges waits for it before the first one starts).
-            digest = collectives.digest48([u.index for u in self._reduce]) if self._counts_issued == 0 else 0
+            order = [u.index for u in self._reduce] + [0xFFFFFFFF] + self._accumulated
+            digest = collectives.digest48(order) if self._counts_issued == 0 else 0
             self._counts_issued += 1
             self._exchanges.append(collectives.exchange_counts(self._started, self.group, digest))
 
@@ -245,11 +251,17 @@ class CollectiveSchedule:
             seen = ", ".join(f"rank {r}: {header_text(k, int(v), names)}" for r, (k, v) in enumerate(counts.tolist()))
             raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
         if len(set(kinds)) > 1:  # the first exchange's digests of the reduce-scatter order differ
-            differ = ", ".join(f"rank {r}" for r, k in enumerate(kinds) if k != kinds[torch.distributed.get_rank(self.group)])
+            group = self.group
+            assert group is not None  # counts are exchanged only on a group
+            mine = kinds[torch.distributed.get_rank(group)]
+            differ = ", ".join(f"rank {torch.distributed.get_global_rank(group, r)}" for r, k in enumerate(kinds) if k != mine)
             order = ", ".join(f"'{u.name}'" for u in self._reduce)
+            names = list(self._reduce[0].unit_names) if self._reduce else []
+            kept = ", ".join(f"'{names[i]}'" if i < len(names) else f"#{i}" for i in self._accumulated)
+            kept = f", then accumulated under no_sync: {kept}" if kept else ""
             raise self.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on which units this backward reduces: "
-                f"their forwards ran different units (this rank's, in reduce order: {order}; {differ} ran others). "
+                f"their forwards ran different units (this rank's, in reduce order: {order}{kept}; {differ} ran others). "
                 f"{OUT_OF_STEP_HINT}"
             )
 

@@ -1211,7 +1211,8 @@ class ShardedModule(nn.Module):
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self.schedule.begin_backward(sync=self.sync)
+        accumulated = [u.index for u in self._units if u.grad_state is GradState.ACCUMULATING]  # from no_sync
+        self.schedule.begin_backward(sync=self.sync, accumulated=accumulated)
         self.spares.open()
 
     def prefetch_backward(self) -> None:

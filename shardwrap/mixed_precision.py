@@ -42,7 +42,9 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, tuple):
         items = [cast_floating(o, dtype) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items) if type(obj) is not tuple else tuple(items)
+        if hasattr(obj, "_fields"):  # a namedtuple: built from its fields
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)
     if isinstance(obj, list):
         return [cast_floating(o, dtype) for o in obj]
     if isinstance(obj, dict):

@@ -32,7 +32,7 @@ from shardwrap import agreement, collectives, local_step
 from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
-from shardwrap.mixed_precision import MixedPrecision, cast_floating
+from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.spare import Spares
@@ -1030,10 +1030,8 @@ class ShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A registered method's call runs here too, in place of the wrapped model
         # (register_forward_method); one frame, so torch.compile breaks no more often.
+        # Under mixed precision the root unit's pre-forward hook casts the inputs (every unit casts its own).
         fn, self._method_call = self._method_call or self.module, None
-        dtype = self.mixed_precision.param_dtype
-        if dtype is not None:  # compute runs in param_dtype from the first layer on
-            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         if not self.in_call and self._state is not TrainingState.BACKWARD and any(
             u.training_state is TrainingState.FORWARD for u in self._units
         ):

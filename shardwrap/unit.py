@@ -258,8 +258,8 @@ def _to_device(values: list[bool], dtype: torch.dtype, device: torch.device) -> 
     """A host list as a tensor on ``device``, without making the host wait for the device: on a GPU
     a copy from pageable memory waits for every kernel queued before it, which would stop the host
     from running ahead of backward once per unit. From pinned memory it is queued like a kernel."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":  # pinned memory is CUDA's
+        return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

@@ -273,7 +273,7 @@ def _alias(storage_owner: torch.Tensor, offset: int, numel: int) -> torch.Tensor
     return alias.set_(storage_owner.untyped_storage(), offset, (numel,), (1,))
 
 
-def tensors_in(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
+def tensors_in(obj: Any, _seen: dict[int, Any] | None = None) -> list[torch.Tensor]:
     """The tensors inside a forward output: tensors, sequences, mappings, dataclasses, classes
     registered with torch's pytree, and the attributes of any other object (a
     ``torch.distributions.Normal`` holds ``loc`` and ``scale``). A tensor missed here gets no
@@ -283,6 +283,10 @@ def tensors_in(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, _LEAVES) or isinstance(obj, (nn.Module, type)) or callable(obj):
         return []
+    _seen = {} if _seen is None else _seen
+    if id(obj) in _seen:  # containers and objects may refer to themselves or to each other
+        return []
+    _seen[id(obj)] = obj  # held, so that no temporary a pytree flatten made passes its id on
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in tensors_in(item, _seen)]
     if isinstance(obj, dict):  # includes HF ModelOutput, an OrderedDict
@@ -292,10 +296,6 @@ def tensors_in(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
     node = pytree.SUPPORTED_NODES.get(type(obj))
     if node is not None:
         return [t for item in node.flatten_fn(obj)[0] for t in tensors_in(item, _seen)]
-    _seen = set() if _seen is None else _seen
-    if id(obj) in _seen:  # objects may refer to each other
-        return []
-    _seen.add(id(obj))
     fields = list(getattr(obj, "__dict__", {}).values())
     for cls in type(obj).__mro__:
         slots = getattr(cls, "__slots__", ())

@@ -122,3 +122,26 @@ def on_ranks_train(kind: str, stage: int, optim: str) -> float:
 def test_a_unit_returning_an_object_that_holds_tensors_trains_like_the_unwrapped_model(kind, stage, optim):
     for worst in run_on_ranks(2, on_ranks_train, kind, stage, optim):
         assert worst < 1e-5, (kind, stage, optim, worst)
+
+
+class FreshPairs:
+    """A pytree node whose flatten builds new containers each time: their ids may be reused once freed."""
+
+    def __init__(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
+        self.mean, self.scale = mean, scale
+
+
+pytree.register_pytree_node(FreshPairs, lambda r: ([(r.mean,), [r.scale]], None), lambda xs, _: FreshPairs(xs[0][0], xs[1][0]))
+
+
+def test_outputs_that_refer_to_themselves_are_walked_once_and_every_tensor_is_found():
+    from shardwrap.unit import tensors_in
+
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    cyclic_list: list = [a]
+    cyclic_list.append(cyclic_list)  # a RecursionError before the guard covered containers
+    cyclic_dict: dict = {"b": b}
+    cyclic_dict["self"] = cyclic_dict
+    found = tensors_in((cyclic_list, cyclic_dict, [FreshPairs(c, a) for _ in range(50)]))
+    assert {id(t) for t in found} == {id(a), id(b), id(c)}
+    assert sum(t is c for t in found) == 50  # each fresh node's tensors: none skipped for a recycled id

@@ -16,7 +16,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NoReturn
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.nn as nn
@@ -210,6 +210,26 @@ class _InnerDeepcopy:
             + ". For an EMA, average full tensors (a copy of the unwrapped model loaded from "
             "full_state_dict()) or keep the average as local tensors: torch._foreach_lerp_ over "
             "model.parameters() works on the shards"
+        )
+
+
+def _warn_hooks_left_behind(plans: Sequence[Any]) -> None:
+    """Warn about gradient hooks on the original parameters: wrapping replaces each parameter with
+    a sharded one, so ``p.register_hook`` and ``p.register_post_accumulate_grad_hook`` made before
+    wrapping would never run, silently (the same under ``fully_shard``)."""
+    hooked = [
+        fqn for plan in plans for p, fqn in zip(plan.params, plan.fqns)
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
+    if hooked:
+        shown = ", ".join(f"'{n}'" for n in hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
+        warnings.warn(
+            f"ShardedModule: parameter(s) {shown} carry gradient hooks registered before wrapping "
+            f"(p.register_hook or p.register_post_accumulate_grad_hook). Wrapping replaces each parameter "
+            f"with a sharded one, so these hooks will never run. Register post-accumulate-grad hooks on "
+            f"model.parameters() after wrapping (they run once p.grad is delivered); p.register_hook does "
+            f"not run on wrapped parameters (the gradient reaches the unit's flat buffer), as under fully_shard",
+            stacklevel=3,
         )
 
 
@@ -769,6 +789,7 @@ class ShardedModule(nn.Module):
             )
         group = self.shard_mesh.get_group()
         names = [p.name or "<root>" for p in plans]
+        _warn_hooks_left_behind(plans)
         self._state = TrainingState.IDLE
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
@@ -865,6 +886,7 @@ class ShardedModule(nn.Module):
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
         _show_inner_signature(self, module)
+        self._wrapped = True  # from here on, attribute writes the wrapper does not own go to the model
 
     # ---- what wrapping rules out ----------------------------------------------------------------
 
@@ -965,12 +987,34 @@ class ShardedModule(nn.Module):
         fn(self)
         return self
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def _routes_to_inner(self, name: str) -> nn.Module | None:
+        """The wrapped model, where an attribute write or delete of ``name`` belongs to it: once
+        wrapping is done, every name the wrapper does not hold itself (its own state, set while
+        wrapping, and the class's methods and properties). Under ``fully_shard`` the model is the
+        module, so ``model.use_cache = False`` or ``model.temperature = 0.5`` from a training loop
+        reaches the code its forward runs; written on the wrapper, it would shadow the model's
+        attribute (reads fall through to the model, so it would even read back) and the forward
+        would go on with the old value."""
         inner = self.__dict__.get("_modules", {}).get("module")
-        if isinstance(value, nn.Module) and name != "module" and inner is not None and name in inner._modules:
-            setattr(inner, name, value)  # a top-level child of the wrapped model, as named_children names it
+        if inner is None or not self.__dict__.get("_wrapped", False) or name == "module":
+            return None
+        if name in self.__dict__ or hasattr(type(self), name):
+            return None
+        return inner
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self._routes_to_inner(name)
+        if inner is not None:
+            setattr(inner, name, value)  # a flag, a value, or a top-level child, as named_children names it
             return
         super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        inner = self._routes_to_inner(name)
+        if inner is not None:
+            delattr(inner, name)
+            return
+        super().__delattr__(name)
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         if prefix and _inside_ddp_constructor():

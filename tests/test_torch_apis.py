@@ -493,6 +493,29 @@ def test_post_accumulate_grad_hooks_skip_a_parameter_the_backward_did_not_reach(
             torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def on_ranks_hooks_before_wrapping() -> list[str]:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    model = dead_net()
+    model[0].weight.register_hook(lambda g: g)
+    model[1].up.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardedModule(model, auto_wrap_policy={nn.Linear}, stage=3)
+        ShardedModule(dead_net(), auto_wrap_policy={nn.Linear}, stage=3)  # no hooks: no warning
+    return [str(w.message) for w in caught if "hooks registered before wrapping" in str(w.message)]
+
+
+def test_gradient_hooks_on_the_original_parameters_are_named_in_a_warning():
+    # They never run once the parameters are replaced by sharded ones (as under fully_shard): a
+    # silent gap before; now each rank warns at wrap time, naming them.
+    for messages in run_on_ranks(2, on_ranks_hooks_before_wrapping):
+        assert len(messages) == 1, messages
+        assert "'0.weight'" in messages[0] and "'1.up.weight'" in messages[0] and "after wrapping" in messages[0], messages
+
+
 # ---- a double backward (create_graph=True): a gradient penalty ------------------------------------
 
 
@@ -633,6 +656,62 @@ def test_hugging_face_weight_decay_groups_match_the_unwrapped_model(stage, optim
         assert r["eval_everywhere"] and r["train_everywhere"] and r["applied_to_model"] and r["replaced_inside"], r
         for name, value in reference.state_dict().items():
             assert_close_params(r["full"][name], value, optim, 3, name)
+
+
+class Flagged(nn.Module):
+    """A forward that reads plain attributes a training loop sets: a temperature and a branch flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.use_extra = 1.0, True
+        self.body, self.extra = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x) * self.scale
+        return self.extra(h) if self.use_extra else h
+
+
+def train_flagged(model: nn.Module, optim: str, chunk: tuple[int, int] = (1, 0)) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(4):
+        if step == 1:
+            model.scale = 0.25  # written on the wrapper: the forward must see it
+        if step == 2:
+            model.use_extra = False
+        if step == 3:
+            del model.scale, model.use_extra
+            model.scale, model.use_extra = 2.0, True
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).chunk(chunk[0])[chunk[1]]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_flagged(stage: int, optim: str) -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(Flagged(), auto_wrap_policy={nn.Linear}, stage=stage)
+    train_flagged(model, optim, (dist.get_world_size(), dist.get_rank()))
+    model.note = "kept"  # a new name goes to the model too, as it would under fully_shard
+    return {
+        "full": model.full_state_dict(rank0_only=False), "on_model": (model.module.scale, model.module.note),
+        "not_on_wrapper": not {"scale", "use_extra", "note"} & set(model.__dict__), "stage_kept": model.stage is not None,
+    }
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_attributes_set_on_the_wrapper_reach_the_models_forward(stage, optim):
+    # They stayed on the wrapper, shadowing the model's own (a read even gave the new value back),
+    # while the forward went on with the old one: a silent wrong loss from the step it was set.
+    torch.manual_seed(0)
+    reference = Flagged()
+    train_flagged(reference, optim)
+    for r in run_on_ranks(2, on_ranks_flagged, stage, optim):
+        assert r["on_model"] == (2.0, "kept") and r["not_on_wrapper"] and r["stage_kept"], r
+        for name, value in reference.state_dict().items():
+            assert_close_params(r["full"][name], value, optim, 4, name)
 
 
 # ---- Hugging Face generate ---------------------------------------------------------------------

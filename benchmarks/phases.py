@@ -6,6 +6,8 @@ interleaved in one run (rank 0's medians).
 "shardwrap s3 no-header" turns off the 16-byte header all-gather before each data all-gather
 (``Unit._check_in_step``, design/notes/rank-agreement.md) to measure what that round trip costs;
 it is not a supported mode (ranks that diverge would then abort in gloo instead of raising).
+"stage-2 floor" is a hand-written stage-2 step with no hooks (``Stage2Floor``): the same exchanges,
+the least copying, nothing else; the distance to it is what shardwrap's own machinery costs.
 "shardwrap s2 unit by unit" gathers one unit ahead in forward, as stages 1 and 3 do, instead of
 every unit when the forward starts (``schedule.gather_all_ahead = False``; design/notes/prefetch.md).
 
@@ -86,9 +88,71 @@ if args.hooks:
     time_hooks()
 
 
+class Stage2Floor(torch.nn.Module):
+    """The least a stage-2 step does on gloo, with no hooks: every unit's flat shard (the root's own
+    parameters and each block's) all-gathered pairwise at the start of the forward (one send and
+    one receive per peer and unit, as shardwrap posts them) and copied out into plain parameters;
+    after the backward each unit's gradients packed rank-major, averaged and reduce-scattered
+    pairwise; AdamW on the flat shards. Not a usable implementation (nothing overlaps, no checks);
+    the yardstick for shardwrap's own cost (design/notes/cpu-collectives.md, "The floor")."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        blocks = [m for m in model.modules() if isinstance(m, BLOCK)]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        self.units = [[p for p in model.parameters() if id(p) not in in_blocks]] + [list(b.parameters()) for b in blocks]
+        self.shards = []
+        for params in self.units:
+            numel = sum(p.numel() for p in params)
+            flat = torch.zeros(numel + (-numel) % world)
+            flat[:numel] = torch.cat([p.detach().reshape(-1) for p in params])
+            self.shards.append(flat.view(world, -1)[rank].clone().requires_grad_(True))
+        self.reduce_group = dist.new_group(list(range(world)))
+
+    def exchange(self, sends: list, recvs: list, group=None) -> list:
+        ops = [dist.P2POp(dist.isend, t, p, group) for t, p in sends] + [dist.P2POp(dist.irecv, t, p, group) for t, p in recvs]
+        return dist.batch_isend_irecv(ops)
+
+    def forward(self, **kwargs):  # type: ignore[no-untyped-def]
+        peers = [r for r in range(world) if r != rank]
+        posted = []
+        for params, shard in zip(self.units, self.shards):
+            rows = torch.empty(world, shard.numel())
+            posted.append((params, rows, self.exchange([(shard.detach(), p) for p in peers], [(rows[p], p) for p in peers])))
+        with torch.no_grad():
+            for (params, rows, works), shard in zip(posted, self.shards):
+                rows[rank].copy_(shard)
+                for w in works:
+                    w.wait()
+                numel = sum(p.numel() for p in params)
+                torch._foreach_copy_([p.data for p in params],
+                                     [v.view_as(p) for v, p in zip(rows.view(-1)[:numel].split([p.numel() for p in params]), params)])
+        return self.model(**kwargs)
+
+    def after_backward(self) -> None:
+        peers = [r for r in range(world) if r != rank]
+        posted = []
+        for params, shard in reversed(list(zip(self.units, self.shards))):
+            numel = sum(p.numel() for p in params)
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(world * shard.numel() - numel)]).div_(world)
+            rows, out = flat.view(world, -1), torch.empty(world - 1, shard.numel())
+            works = self.exchange([(rows[p], p) for p in peers], [(o, p) for o, p in zip(out, peers)], self.reduce_group)
+            posted.append((shard, rows[rank], out, works))
+        for shard, own, out, works in posted:
+            for w in works:
+                w.wait()
+            shard.grad = own.clone().add_(out.sum(0)) if world > 2 else out[0].add_(own)
+        for p in self.model.parameters():
+            p.grad = None
+
+
 def wrap(impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = models.gpt2(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=128)
+    model = models.gpt2(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=128, use_cache=False)
+    if impl == "stage-2 floor":
+        floor = Stage2Floor(model)
+        return floor, torch.optim.AdamW(floor.shards, lr=1e-4, weight_decay=0.1)
     if impl == "ddp":
         model = DDP(model)
     elif impl == "fsdp1":
@@ -117,6 +181,7 @@ impls = [i.strip() for i in args.impls.split(",") if i.strip()]
 built = {i: wrap(i) for i in impls}
 PHASES = ("forward", "backward", "optimizer", "step", "process CPU", "main-thread CPU")
 times: dict[str, dict[str, list[float]]] = {i: {k: [] for k in PHASES} for i in impls}
+last_loss: dict[str, float] = {}
 for _ in range(args.rounds):
     for impl in impls:
         model, opt = built[impl]
@@ -127,7 +192,10 @@ for _ in range(args.rounds):
             t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
             loss = model(input_ids=x, labels=x).loss
             t1 = time.perf_counter()
+            last_loss[impl] = loss.item()
             loss.backward()
+            if isinstance(model, Stage2Floor):
+                model.after_backward()
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
@@ -138,9 +206,9 @@ for _ in range(args.rounds):
                     times[impl][key].append(s * 1000)
 if rank == 0:
     print(f"\nGPT-2 (4 x 256), W={world}, rank 0, median ms over {args.rounds} interleaved rounds x {args.steps} steps\n")
-    print("| implementation | " + " | ".join(PHASES) + " |\n|---|" + "---|" * len(PHASES))
+    print("| implementation | " + " | ".join(PHASES) + " | last loss (rank 0) |\n|---|" + "---|" * (len(PHASES) + 1))
     for impl in impls:
-        print(f"| {impl} | " + " | ".join(f"{statistics.median(v):.1f}" for v in times[impl].values()) + " |")
+        print(f"| {impl} | " + " | ".join(f"{statistics.median(v):.1f}" for v in times[impl].values()) + f" | {last_loss[impl]:.6f} |")
     if hook_times:
         timed_steps = args.rounds * args.steps
         print(f"\nshardwrap's hooks, rank 0, ms per step (mean over {timed_steps} steps): main-thread CPU / wall\n")

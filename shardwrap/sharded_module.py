@@ -245,7 +245,7 @@ def _show_inner_signature(wrapper: nn.Module, inner: nn.Module) -> None:
         signature = inspect.signature(inner.forward)
     except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
         return
-    forward = functools.partial(ShardedModule.forward, wrapper)  # type: ignore[arg-type]
+    forward = functools.partial(type(wrapper).forward, wrapper)  # a subclass's forward, if it has one
     setattr(forward, "__signature__", signature)
     wrapper.__dict__["forward"] = forward
 
@@ -886,7 +886,8 @@ class ShardedModule(nn.Module):
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
         _show_inner_signature(self, module)
-        self._wrapped = True  # from here on, attribute writes the wrapper does not own go to the model
+        if type(self).__init__ is ShardedModule.__init__:  # a subclass's __init__ sets it when it returns
+            self._wrapped = True  # from here on, attribute writes the wrapper does not own go to the model
 
     # ---- what wrapping rules out ----------------------------------------------------------------
 
@@ -989,25 +990,50 @@ class ShardedModule(nn.Module):
 
     def _routes_to_inner(self, name: str) -> nn.Module | None:
         """The wrapped model, where an attribute write or delete of ``name`` belongs to it: once
-        wrapping is done, every name the wrapper does not hold itself (its own state, set while
-        wrapping, and the class's methods and properties). Under ``fully_shard`` the model is the
-        module, so ``model.use_cache = False`` or ``model.temperature = 0.5`` from a training loop
-        reaches the code its forward runs; written on the wrapper, it would shadow the model's
-        attribute (reads fall through to the model, so it would even read back) and the forward
-        would go on with the old value."""
+        wrapping is done (a subclass's ``__init__`` included), every name the wrapper does not hold
+        itself (its own state, set while wrapping, what was registered on it, and the class's
+        methods and properties). Under ``fully_shard`` the model is the module, so
+        ``model.use_cache = False`` or ``model.temperature = 0.5`` from a training loop reaches the
+        code its forward runs; written on the wrapper, it would shadow the model's attribute
+        (reads fall through to the model, so it would even read back) and the forward would go
+        on with the old value."""
         inner = self.__dict__.get("_modules", {}).get("module")
         if inner is None or not self.__dict__.get("_wrapped", False) or name == "module":
             return None
         if name in self.__dict__ or hasattr(type(self), name):
             return None
+        if any(name in self.__dict__.get(registry, {}) for registry in ("_parameters", "_buffers", "_modules")):
+            return None
         return inner
+
+    def _refuse_unsharded_parameters(self, name: str, value: Any) -> None:
+        """A parameter attached after wrapping would be a plain tensor on every rank, outside every
+        unit: its gradient never averaged, each rank's copy stepped on its own gradient, the ranks
+        drifting apart with no error. Refuse it, before anything changes."""
+        if isinstance(value, nn.Parameter):
+            found = [name]
+        elif isinstance(value, nn.Module):
+            found = [f"{name}.{n}" if n else name for n, p in value.named_parameters() if self._unit_of.get(id(p)) is None]
+        else:
+            return
+        if found:
+            raise ValueError(
+                f"rank {collectives.rank()}: shardwrap: model.{name} = ... would add parameter(s) "
+                f"{', '.join(repr(f) for f in found[:5])} after wrapping. No unit shards them, so their "
+                f"gradients would not be averaged across ranks and each rank would train its own copy. Add "
+                f"them to the model before wrapping it in ShardedModule (a module without parameters, or one "
+                f"whose parameters this model already holds, may be attached at any time)"
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self._routes_to_inner(name)
         if inner is not None:
+            self._refuse_unsharded_parameters(name, value)
             setattr(inner, name, value)  # a flag, a value, or a top-level child, as named_children names it
             return
         super().__setattr__(name, value)
+        if name == "training" and self.__dict__.get("_wrapped", False):
+            self.module.training = value  # the model's own flag, which its forward reads, as under fully_shard
 
     def __delattr__(self, name: str) -> None:
         inner = self._routes_to_inner(name)
@@ -1015,6 +1041,23 @@ class ShardedModule(nn.Module):
             delattr(inner, name)
             return
         super().__delattr__(name)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's own ``__init__`` may set attributes of its own after ``super().__init__()``:
+        attribute writes start going to the wrapped model only once the outermost ``__init__``
+        has returned."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def init_then_route(self: "ShardedModule", *args: Any, **kw: Any) -> None:
+            init(self, *args, **kw)
+            if type(self).__init__ is init_then_route:
+                self.__dict__["_wrapped"] = True
+
+        cls.__init__ = init_then_route  # type: ignore[method-assign]
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         if prefix and _inside_ddp_constructor():

@@ -700,6 +700,59 @@ def on_ranks_flagged(stage: int, optim: str) -> dict:
     }
 
 
+def on_ranks_attribute_edges() -> dict:
+    from shardwrap import ShardedModule
+
+    class Tuned(ShardedModule):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__(model, auto_wrap_policy={nn.Linear}, stage=3)
+            self.scale = 3.0  # the subclass's own setting: not the model's scale
+            self.calls = 0
+
+        def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return super().forward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    sub = Tuned(Flagged())
+    x = torch.ones(2, 6)
+    sub.use_extra = False  # after the subclass's __init__: the model's flag
+    out = {"subclass_kept": (sub.scale, sub.module.scale, "scale" in sub.__dict__), "sub_forward": (sub(x).shape[0], sub.calls),
+           "sub_routes": sub.module.use_extra is False and "use_extra" not in sub.__dict__}
+    model = ShardedModule(Flagged(), auto_wrap_policy={nn.Linear}, stage=3)
+    model.register_buffer("seen", torch.zeros(1))  # registered on the wrapper: stays there
+    model.seen = torch.ones(1)
+    out["buffer_on_wrapper"] = (model.seen.item(), hasattr(model.module, "seen"))
+    model.training = False  # the model's own flag, as a plain model's root gets it
+    out["training"] = (model.training, model.module.training)
+    model.train()
+    refusals = []
+    for name, value in (("p", nn.Parameter(torch.ones(2))), ("head", nn.Linear(6, 1)), ("body", nn.Linear(6, 6))):
+        try:
+            setattr(model, name, value)
+            refusals.append(None)
+        except ValueError as exc:
+            refusals.append(str(exc))
+    out["refusals"] = refusals
+    out["unchanged"] = not hasattr(model.module, "p") and not hasattr(model.module, "head") and isinstance(model.module.body, nn.Linear)
+    model.extra = nn.Identity()  # no parameters: attached
+    model.body = model.module.body  # its own parameters: attached
+    out["attached"] = isinstance(model.module.extra, nn.Identity)
+    return out
+
+
+def test_attribute_writes_keep_what_the_wrapper_owns_and_refuse_parameters_no_unit_shards():
+    # A parameter attached after wrapping would train unsynchronized on each rank (a review found
+    # it once writes went to the model); a subclass's own settings and a buffer registered on the
+    # wrapper stay on it; `training` reaches the model's root, as on a plain model.
+    for r in run_on_ranks(2, on_ranks_attribute_edges):
+        assert r["subclass_kept"] == (3.0, 1.0, True) and r["sub_forward"] == (2, 1) and r["sub_routes"], r
+        assert r["buffer_on_wrapper"] == (1.0, False) and r["training"] == (False, False), r
+        assert all(m and "after wrapping" in m and "before wrapping it" in m for m in r["refusals"]), r["refusals"]
+        assert "'p'" in r["refusals"][0] and "'head.weight'" in r["refusals"][1] and "'body.bias'" in r["refusals"][2]
+        assert r["unchanged"] and r["attached"], r
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_attributes_set_on_the_wrapper_reach_the_models_forward(stage, optim):

@@ -258,7 +258,7 @@ def _exchange(
 # The first element of every small exchange on the all-gather group says what it is, so that two
 # ranks whose sequences diverged meet two exchanges of the same size and can name the difference
 # instead of pairing a small exchange with a data all-gather (design/notes/rank-agreement.md).
-HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS = 1, 2, 3
+HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS, HEADER_END = 1, 2, 3, 4
 
 
 def digest48(indices: Sequence[int]) -> int:

@@ -56,6 +56,8 @@ def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> s
         return f"all-gather of unit '{name}' in {phase}{started}"
     if base == collectives.HEADER_COUNTS:
         return "a reduce-scatter count exchange in backward"
+    if base == collectives.HEADER_END:
+        return "the end of a backward"
     return f"an unknown exchange ({kind}, {value})"
 
 

@@ -45,6 +45,15 @@ _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # Every parameter some ShardedModule took (the original and its sharded DTensor) -> its name there
 _TAKEN_PARAMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
+# Where a peer's backward gathers a unit this rank's does not (stage 3, after forwards under no_grad)
+RECOMPUTED_ON_SOME_RANKS = (
+    "A rank whose backward all-gathers a unit its peers' backwards do not is recomputing it under a "
+    "reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, Hugging Face's "
+    "default gradient checkpointing) because only its loss reached that unit's output. At stage 3 every "
+    "rank would have to recompute it: pass use_reentrant=False (gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}), or use stage 1 or 2, where such a unit trains as it would in one process."
+)
+
 _RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
 _optimizer_hook_installed = False
@@ -815,6 +824,7 @@ class ShardedModule(nn.Module):
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         self._unit_of_module: dict[int, tuple[nn.Module, Unit]] = {}  # id(unit's module) -> (it, its unit)
         self._method_call: Callable[..., Any] | None = None  # a registered method, for the next forward
+        self._reduced_now: set[int] = set()  # units whose reduce-scatter the current backward started
         built: dict[int, Unit] = {}
 
         checkpoint_wrappers = _checkpoint_wrappers(module)
@@ -1296,8 +1306,11 @@ class ShardedModule(nn.Module):
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        accumulated = [u.index for u in self._units if u.grad_state is GradState.ACCUMULATING]  # from no_sync
+        # from no_sync; a unit a reentrant checkpoint may have recomputed on some ranks only is reduced
+        # by every rank at the end of the backward anyway
+        accumulated = [u.index for u in self._units if u.grad_state is GradState.ACCUMULATING and not u.recomputable]
         self.schedule.begin_backward(sync=self.sync, accumulated=accumulated)
+        self._reduced_now = set()
         self.spares.open()
 
     def prefetch_backward(self) -> None:
@@ -1316,6 +1329,7 @@ class ShardedModule(nn.Module):
         bound how many are in flight (waiting only for ones every rank started)."""
         self.apply_completed_reductions()
         self.schedule.check_landed_exchanges()
+        self._reduced_now.add(unit.index)
         unit.reduce_scatter_grad()
         self.schedule.started(unit)
         unit.finish_grad_beside_compute()  # offload on a GPU: off to the host as soon as it is reduced
@@ -1385,6 +1399,9 @@ class ShardedModule(nn.Module):
         for unit in schedule.skipped_gathers():
             unit.unshard()
             schedule.gathered_ahead()
+        recomputable = [u for u in self._units if u.recomputable]
+        if recomputable and self.switches.reshard_after_forward:
+            self._check_end_of_backward(recomputable)
         if self.sync:
             for unit in schedule.skipped_reductions():
                 if unit.grad_state is GradState.ACCUMULATING:
@@ -1394,6 +1411,11 @@ class ShardedModule(nn.Module):
                 if unit.grad_state in (GradState.ACCUMULATING, GradState.PACKED):  # outside the recorded forward
                     unit.pack_grad()
                     self._start_reduction(unit)
+                elif unit.recomputable and unit.trains and unit.index not in self._reduced_now:
+                    # recomputed (and reduced) on other ranks only: this rank's zeros pair with theirs
+                    self._start_reduction(unit)
+            for unit in recomputable:
+                unit.recomputable = False
             if self.replicate_group is not None:
                 self._start_replica_reductions(final=True)
                 self._replicas_started = 0
@@ -1418,6 +1440,28 @@ class ShardedModule(nn.Module):
         if self.sync:  # last: a hook may step an optimizer, which needs every unit settled
             for unit in reversed(self._units):
                 unit.run_grad_hooks()
+
+    def _check_end_of_backward(self, recomputable: Sequence[Unit]) -> None:
+        """At stage 3, after forwards that ran units under ``no_grad`` in training mode (a reentrant
+        checkpoint's first pass): one header saying this rank's backward is over, before any
+        reduce-scatter is waited for. A peer still recomputing such a unit, because only its loss
+        reached the unit's output, is then at that unit's all-gather, meets this header instead of
+        waiting for a gather this rank will never issue, and every rank raises, naming both
+        (design/notes/activation-checkpointing.md, "Recomputed on some ranks"). CPU groups only,
+        as every header."""
+        unit = recomputable[0]
+        if unit.device.type != "cpu" or unit.world_size == 1:
+            return
+        mine = [collectives.HEADER_END, 0]
+        rows = collectives.all_gather_ints(mine, unit.group, what="the end of a backward", kind="headers")
+        if any(row != mine for row in rows):
+            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+
+            seen = ", ".join(f"rank {r}: {header_text(k, v, list(unit.unit_names))}" for r, (k, v) in enumerate(rows))
+            raise self.schedule.out_of_step(
+                f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the end of backward "
+                f"{self.steps_done + 1} ({seen}). {RECOMPUTED_ON_SOME_RANKS} {OUT_OF_STEP_HINT}"
+            )
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
 

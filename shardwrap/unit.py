@@ -406,6 +406,10 @@ class Unit:
         self._reentered = 0  # calls of this unit's module inside its own running forward
         self._backward_uses = 0  # forward calls whose outputs await a gradient (see _views_done)
         self._uncounted_calls = 0  # training calls under no_grad (a reentrant checkpoint's first pass) since the last backward
+        # Such a call since the last backward that reduced: a reentrant checkpoint may recompute the
+        # unit in backward on the ranks whose loss reached its output only, so every rank reduces it
+        # at the end of that backward (design/notes/activation-checkpointing.md, "Recomputed on some ranks")
+        self.recomputable = False
         self._data = DataState.SHARDED  # the stored state; ``data_state`` adds staleness
         self._grad = GradState.NONE
         self._gather: _Gather | None = None  # while GATHERING
@@ -781,6 +785,7 @@ class Unit:
             root.expect_backward = True
         elif module.training and not torch.is_grad_enabled():
             self._uncounted_calls += 1
+            self.recomputable = True
         # Backward gathers the root first and then the unit that ended the forward: resharding
         # them here would only gather them again at once (design/notes/prefetch.md).
         backward_next = wants_grad and module.training and (self.index == 0 or root.schedule.ended_last_forward(self))
@@ -1056,6 +1061,10 @@ class Unit:
             seen = ", ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
             if len(set(texts)) == 1:
                 seen += "; the same first unit and number on every rank, but other units after it"
+            if self._root.in_backward() and (self.recomputable or any(k & 0xFF == collectives.HEADER_END for k, _ in rows)):
+                from shardwrap.sharded_module import RECOMPUTED_ON_SOME_RANKS
+
+                seen += f". {RECOMPUTED_ON_SOME_RANKS}"
             raise self._root.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at {self._where('all-gather')} "
                 f"({seen}). {OUT_OF_STEP_HINT}"

@@ -36,9 +36,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.checkpoint
 
 import models
-from harness import run_on_ranks
+from harness import RankError, run_on_ranks
 from parity import (
     Case,
     assert_close_params,
@@ -305,3 +307,88 @@ def test_a_unit_reshards_before_its_flat_gradient(variant):
     seen = run_on_ranks(WORLD, states_at_flat_gradient, make_case(variant, 3), timeout=TIMEOUT)
     for rank_seen in seen:
         assert len(rank_seen) >= 3 and all(s.endswith(": SHARDED") for s in rank_seen), rank_seen
+
+
+# ---- a unit recomputed on some ranks only ---------------------------------------------------------
+
+
+class AuxNet(nn.Module):
+    """Two blocks and an auxiliary head under reentrant checkpoints; the head's loss counts on rank 0
+    only (a data-dependent auxiliary loss), so only rank 0's backward recomputes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b0, self.b1 = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.aux, self.head = nn.Linear(8, 2), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b0(x)
+        a = torch.utils.checkpoint.checkpoint(self.aux, h, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(self.b1, h, use_reentrant=True)
+        return self.head(h), a
+
+
+def aux_loss(out: tuple[torch.Tensor, torch.Tensor], with_aux: bool) -> torch.Tensor:
+    y, a = out
+    return y.pow(2).mean() + (a.pow(2).mean() if with_aux else 0.0)
+
+
+def aux_optimizer(params, optim: str) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(params, lr=0.05)
+
+
+def aux_batches(world: int, step: int, micro: int) -> list[torch.Tensor]:
+    x = torch.randn(2 * world * micro, 8, generator=torch.Generator().manual_seed(step))
+    return list(x.chunk(micro))
+
+
+def on_ranks_aux_on_one_rank(stage: int, optim: str, micro: int) -> dict:
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = ShardedModule(AuxNet(), auto_wrap_policy={nn.Sequential, nn.Linear}, stage=stage)
+    opt = aux_optimizer(model.parameters(), optim)
+    for step in range(3):
+        for i, x in enumerate(aux_batches(world, step, micro)):
+            loss = aux_loss(model(x.chunk(world)[rank]), rank == 0 and (i == 0 or micro == 1)) / micro
+            if i < micro - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"full": model.full_state_dict(rank0_only=False)}
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_unit_a_reentrant_checkpoint_recomputes_on_one_rank_only(stage, optim, micro):
+    # Only rank 0's loss reaches the auxiliary head, so only rank 0's backward recomputes it and
+    # gets its gradient. Stages 1 and 2 reduce it on every rank at the end of the backward (rank 1
+    # sends zeros) and train as one process does; before, rank 0's extra reduce-scatter paired with
+    # nothing and both ranks hung (with no_sync the order digests differed). Stage 3 would need
+    # rank 1 to gather it too: every rank raises, naming the fix, instead of hanging.
+    world = 2
+    torch.manual_seed(0)
+    reference = AuxNet()
+    opt = aux_optimizer(reference.parameters(), optim)
+    for step in range(3):
+        for i, x in enumerate(aux_batches(world, step, micro)):
+            xs = x.chunk(world)
+            losses = [aux_loss(reference(xs[r]), r == 0 and (i == 0 or micro == 1)) for r in range(world)]
+            (sum(losses) / world / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    if stage == 3:
+        with pytest.raises(RankError) as info:  # the harness starts a new pool: collectives were left half-done
+            run_on_ranks(world, on_ranks_aux_on_one_rank, stage, optim, micro)
+        assert sorted(info.value.failures) == [0, 1], info.value.failures
+        for message in info.value.messages:
+            assert "ranks disagree" in message and "use_reentrant=False" in message and "stage 1 or 2" in message, message
+        return
+    for r in run_on_ranks(world, on_ranks_aux_on_one_rank, stage, optim, micro):
+        for name, value in reference.state_dict().items():
+            assert_close_params(r["full"][name], value, optim, 3, name)

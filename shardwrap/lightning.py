@@ -281,7 +281,8 @@ class ShardwrapStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ShardwrapStrategy.save_checkpoint(..., storage_options=...): shardwrap writes the files itself; drop storage_options")
         path = str(self.broadcast(os.fspath(filepath)))
-        optimizer = self._the_optimizer("save a checkpoint")
+        # ModelCheckpoint(save_weights_only=True) leaves the optimizer out of the checkpoint dict
+        optimizer = self._the_optimizer("save a checkpoint") if "optimizer_states" in checkpoint else None
         if not self._save_distributed_checkpoint:
             self._save_full(checkpoint, path)
             return
@@ -314,6 +315,12 @@ class ShardwrapStrategy(ParallelStrategy):
 
         def layout(content: Any) -> dict[str, Any]:  # a plain Lightning checkpoint file
             rest = {k: v for k, v in content.items() if k not in ("state_dict", "optimizer_states")}
+            if optimizer is not None and "optimizer_states" not in content:
+                raise ValueError(
+                    f"it holds the model only (ModelCheckpoint(save_weights_only=True)), and resuming fit needs "
+                    f"the optimizer's state: resume from a checkpoint saved with it, or load the weights alone "
+                    f"(LightningModule.load_from_checkpoint, or trainer.validate/test with ckpt_path)"
+                )
             optim = content["optimizer_states"][0] if optimizer is not None else None
             return {**rest, "model": content["state_dict"], "optim": optim}
 

@@ -155,7 +155,8 @@ def run(out: str, devices: int, spec: str) -> None:
 
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))
     if "save" in options:
-        callbacks.append(ModelCheckpoint(dirpath=options["save"], filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+        callbacks.append(ModelCheckpoint(dirpath=options["save"], filename="{epoch}", save_top_k=-1, every_n_epochs=1,
+                                         save_weights_only="weights" in options))
     chosen: object = strategy
     if "full" in options:
         chosen = ShardwrapStrategy(stage=int(strategy[-1]), save_distributed_checkpoint=False)

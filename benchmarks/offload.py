@@ -264,8 +264,8 @@ def train(offload: Offload | None, label: str) -> dict:
             opt.zero_grad(set_to_none=True)
             if watch:
                 mem.mark("after zero_grad()")
-            if args.release_pages and sharded.offload_store is not None:
-                sharded.offload_store.release_pages()
+            if args.release_pages and sharded._offload_store is not None:
+                sharded._offload_store.release_pages()
             dist.barrier()
         read1, written1 = io_bytes()
         dev1 = device_io_bytes(DEVICE)
@@ -276,7 +276,7 @@ def train(offload: Offload | None, label: str) -> dict:
                for kind, field in (("user", "ru_utime"), ("sys", "ru_stime"), ("faults", "ru_minflt"))}
         steps.append({**cpu, "user_s": usage1.ru_utime - usage0.ru_utime, "sys_s": usage1.ru_stime - usage0.ru_stime,
                       "faults": usage1.ru_minflt - usage0.ru_minflt + usage1.ru_majflt - usage0.ru_majflt,
-                      "spares_reused": sharded.spares.reused,"fwd_s": fwd_s, "bwd_s": bwd_s, "disk_read": dev1[0] - dev0[0], "disk_written": dev1[1] - dev0[1],
+                      "spares_reused": sharded._spares.reused,"fwd_s": fwd_s, "bwd_s": bwd_s, "disk_read": dev1[0] - dev0[0], "disk_written": dev1[1] - dev0[1],
             "time_s": time.perf_counter() - start, "peak_anon": mem.peak, "peak_file": mem.file_peak, "read": read1 - read0,
             "step_file_before": before_step_file, "step_peak_file": step_mem.file_peak, "opt_s": opt_s,
             "written": written1 - written0, "loss": loss.item(),

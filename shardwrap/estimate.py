@@ -516,7 +516,7 @@ def simulate(shape: Shape, world: int, precision: str, offload: str = "none", ma
     if offload != "none":
         layouts = [h.layout for h in model.units]
         stored = [h.read_shard() for h in model.units]  # the store's tensors: the shard and its tag
-        assert all(t.device.type == "cpu" for t in stored) and model.offload_store is not None
+        assert all(t.device.type == "cpu" for t in stored) and model._offload_store is not None
         out["offload"] = _offload_rows(
             offload, _compute_bytes(precision), max_unsharded,
             [(la.padded_unsharded_numel, la.padded_trainable_numel, la.shard_numel + 1, 4 * la.grad_shard_numel)

@@ -242,6 +242,26 @@ def _warn_hooks_left_behind(plans: Sequence[Any]) -> None:
         )
 
 
+def _warn_shadowed_names(wrapper: nn.Module, inner: nn.Module) -> None:
+    """Warn when the wrapped model has an attribute under a name the wrapper holds itself (its
+    settings: ``stage``, ``mesh``, ``schedule``, ``offload``, ...): ``model.<name>`` reads and
+    writes the wrapper's, where under ``fully_shard`` it would be the model's. Its mutable state is
+    private, so only these can clash."""
+    def held_by_inner(name: str) -> bool:
+        registries = (inner.__dict__, inner._parameters, inner._buffers, inner._modules)
+        return any(name in r for r in registries) or (hasattr(type(inner), name) and not hasattr(nn.Module, name))
+
+    clash = sorted(n for n in wrapper.__dict__ if not n.startswith("_") and n not in ("training", "forward") and held_by_inner(n))
+    if clash:
+        names = ", ".join(f"'{n}'" for n in clash)
+        warnings.warn(
+            f"ShardedModule: the wrapped {type(inner).__name__} has attribute(s) {names}, which the wrapper holds "
+            f"too (its own settings): model.<name> reads and writes the wrapper's. Use model.module.<name> "
+            f"for the model's own",
+            stacklevel=3,
+        )
+
+
 def _show_inner_signature(wrapper: nn.Module, inner: nn.Module) -> None:
     """Give ``wrapper.forward`` the wrapped module's signature, so ``inspect.signature(model.forward)``
     (how HF Trainer and Lightning choose the dataset columns to keep) sees the model's arguments.
@@ -766,7 +786,7 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.module = module
         self.stage = stage  # what the user passed; ``switches`` is what the units read
-        self.switches = switches
+        self._switches = switches
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.mesh = mesh if mesh is not None else collectives.default_mesh(device.type)
         # With tensor parallelism the parameters are DTensors on the 2-D (dp, tp) mesh, sharded over dp.
@@ -802,10 +822,10 @@ class ShardedModule(nn.Module):
         self._state = TrainingState.IDLE
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
-        self.expect_backward = False  # a unit's outputs require grad: a backward will follow
-        self.steps_done = 0  # backward passes finished (error messages name the step)
+        self._expect_backward = False  # a unit's outputs require grad: a backward will follow
+        self._steps_done = 0  # backward passes finished (error messages name the step)
         self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
-        self.sync = True  # False inside no_sync()
+        self._sync = True  # False inside no_sync()
         self.offload = offload or Offload()
         if self.offload.enabled and device.type != "cpu" and collectives.carrier_device(self.world_group).type != "cpu":
             warnings.warn(
@@ -816,11 +836,11 @@ class ShardedModule(nn.Module):
                 stacklevel=2,
             )
         store = OffloadStore(self.offload, collectives.rank(), self, pin=device.type == "cuda") if self.offload.enabled else None
-        self.offload_store = store
+        self._offload_store = store
         self._copy_streams: dict[str, torch.cuda.Stream] = {}  # "to device", "to host"
         self._copies_pending = False  # copies on _copy_streams since the last finish_host_copies
-        self.spares = Spares()  # freed CPU buffers for the next unit's unshard (design/notes/spare-buffers.md)
-        self.in_call = False  # inside forward(): a unit already in FORWARD is being called again
+        self._spares = Spares()  # freed CPU buffers for the next unit's unshard (design/notes/spare-buffers.md)
+        self._in_call = False  # inside forward(): a unit already in FORWARD is being called again
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         self._unit_of_module: dict[int, tuple[nn.Module, Unit]] = {}  # id(unit's module) -> (it, its unit)
         self._method_call: Callable[..., Any] | None = None  # a registered method, for the next forward
@@ -896,6 +916,7 @@ class ShardedModule(nn.Module):
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
         _show_inner_signature(self, module)
+        _warn_shadowed_names(self, module)
         if type(self).__init__ is ShardedModule.__init__:  # a subclass's __init__ sets it when it returns
             self._wrapped = True  # from here on, attribute writes the wrapper does not own go to the model
 
@@ -1129,11 +1150,11 @@ class ShardedModule(nn.Module):
         # (register_forward_method); one frame, so torch.compile breaks no more often.
         # Under mixed precision the root unit's pre-forward hook casts the inputs (every unit casts its own).
         fn, self._method_call = self._method_call or self.module, None
-        if not self.in_call and self._state is not TrainingState.BACKWARD and any(
+        if not self._in_call and self._state is not TrainingState.BACKWARD and any(
             u.training_state is TrainingState.FORWARD for u in self._units
         ):
             self._recover()  # a forward raised: clean up here, so that FORWARD below means re-entry
-        previous, self.in_call = self.in_call, True  # a registered method may run inside the forward
+        previous, self._in_call = self._in_call, True  # a registered method may run inside the forward
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
@@ -1148,7 +1169,7 @@ class ShardedModule(nn.Module):
                 f"forward, call model.register_forward_method(name, module=...) once after wrapping ({exc})"
             ) from exc
         finally:
-            self.in_call = previous
+            self._in_call = previous
 
     def copy_stream(self, device: torch.device, direction: str) -> "torch.cuda.Stream":
         """The CUDA stream that offloaded units copy on in ``direction``: ``"to device"`` (shards
@@ -1240,11 +1261,11 @@ class ShardedModule(nn.Module):
             self._recover()
         self._fatal_before = len(collectives.fatal_failures())
         for unit in self._units:  # (a graph that may still be owed a backward keeps its leaves' requires_grad)
-            unit.follow_requires_grad(allow_off=not self.expect_backward)
-        if not self.expect_backward:
+            unit.follow_requires_grad(allow_off=not self._expect_backward)
+        if not self._expect_backward:
             self.schedule.clear()
         self.schedule.start_forward()
-        self.spares.open()
+        self._spares.open()
 
     def _recover(self) -> None:
         """The last forward or backward raised before it finished (a user hook, an autograd
@@ -1265,7 +1286,7 @@ class ShardedModule(nn.Module):
                 unit.abandon(wait=not fatal and (failure is None or collectives.lost_a_peer(failure)))
             except Exception as exc:
                 failure = failure or exc
-        self.spares.close()
+        self._spares.close()
         self.finish_host_copies()  # offload on a GPU: no copy lands in a gradient or reads a shard later
         self._replicas_started = 0
         try:
@@ -1273,10 +1294,10 @@ class ShardedModule(nn.Module):
             self.schedule.end_backward(wait=not fatal and (failure is None or collectives.lost_a_peer(failure)))
         except Exception as exc:
             failure = failure or exc
-        self.expect_backward = False
+        self._expect_backward = False
         self._state = TrainingState.IDLE
         if fatal:
-            self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self.steps_done + 1}, {fatal[0]}")
+            self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self._steps_done + 1}, {fatal[0]}")
             self.refuse_out_of_step("this forward")
         if failure is not None:
             raise failure
@@ -1293,8 +1314,8 @@ class ShardedModule(nn.Module):
         backward will follow, leave nothing unsharded."""
         for unit in self.schedule.take_prefetched():
             unit.reshard()
-        self.spares.close()
-        if not self.expect_backward:
+        self._spares.close()
+        if not self._expect_backward:
             for unit in self._units:
                 unit.reshard()
             self.finish_host_copies()  # offload on a GPU: nothing reads the host shards in flight after an evaluation
@@ -1309,9 +1330,9 @@ class ShardedModule(nn.Module):
         # from no_sync; a unit a reentrant checkpoint may have recomputed on some ranks only is reduced
         # by every rank at the end of the backward anyway
         accumulated = [u.index for u in self._units if u.grad_state is GradState.ACCUMULATING and not u.recomputable]
-        self.schedule.begin_backward(sync=self.sync, accumulated=accumulated)
+        self.schedule.begin_backward(sync=self._sync, accumulated=accumulated)
         self._reduced_now = set()
-        self.spares.open()
+        self._spares.open()
 
     def prefetch_backward(self) -> None:
         ahead = self.schedule.backward_prefetch()
@@ -1400,9 +1421,9 @@ class ShardedModule(nn.Module):
             unit.unshard()
             schedule.gathered_ahead()
         recomputable = [u for u in self._units if u.recomputable]
-        if recomputable and self.switches.reshard_after_forward:
+        if recomputable and self._switches.reshard_after_forward:
             self._check_end_of_backward(recomputable)
-        if self.sync:
+        if self._sync:
             for unit in schedule.skipped_reductions():
                 if unit.grad_state is GradState.ACCUMULATING:
                     unit.pack_grad()  # gradient kept from no_sync micro-batches
@@ -1424,20 +1445,20 @@ class ShardedModule(nn.Module):
                     unit.finish_grad()
         self.finish_host_copies()  # offload on a GPU: the gradient copies to the host have landed
         schedule.end_backward()
-        if self.sync:
+        if self._sync:
             self._settle_unused_grads()
         for unit in self._units:
             unit.end_backward()
-            if self.switches.reshard_after_backward:
+            if self._switches.reshard_after_backward:
                 unit.reshard()
             else:
                 unit.restore_params()
             unit.training_state = TrainingState.IDLE
-        self.spares.close()
-        self.expect_backward = False
+        self._spares.close()
+        self._expect_backward = False
         self._state = TrainingState.IDLE
-        self.steps_done += 1
-        if self.sync:  # last: a hook may step an optimizer, which needs every unit settled
+        self._steps_done += 1
+        if self._sync:  # last: a hook may step an optimizer, which needs every unit settled
             for unit in reversed(self._units):
                 unit.run_grad_hooks()
 
@@ -1460,7 +1481,7 @@ class ShardedModule(nn.Module):
             seen = ", ".join(f"rank {r}: {header_text(k, v, list(unit.unit_names))}" for r, (k, v) in enumerate(rows))
             raise self.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the end of backward "
-                f"{self.steps_done + 1} ({seen}). {RECOMPUTED_ON_SOME_RANKS} {OUT_OF_STEP_HINT}"
+                f"{self._steps_done + 1} ({seen}). {RECOMPUTED_ON_SOME_RANKS} {OUT_OF_STEP_HINT}"
             )
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
@@ -1469,11 +1490,11 @@ class ShardedModule(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep their gradients unsharded on this rank, with no
         communication; the first backward outside reduces everything accumulated."""
-        previous, self.sync = self.sync, False
+        previous, self._sync = self._sync, False
         try:
             yield
         finally:
-            self.sync = previous
+            self._sync = previous
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -730,7 +730,7 @@ class Unit:
             self._gather_for_backward()
             self._install_unsharded_views()
             return
-        if self.training_state is TrainingState.FORWARD and root.in_call:
+        if self.training_state is TrainingState.FORWARD and root._in_call:
             # The module called again inside its own forward (Lightning's training_step runs in
             # the root's forward and calls self(x)): the parameters are in place already.
             self._reentered += 1
@@ -755,7 +755,7 @@ class Unit:
         ahead = schedule.forward_prefetch(self)
         if ahead is not None:
             ahead.unshard(async_op=True)
-        root.spares.drop()  # the allocations that could reuse them are made: none waits through compute
+        root._spares.drop()  # the allocations that could reuse them are made: none waits through compute
         self._install_unsharded_views()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -782,7 +782,7 @@ class Unit:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
             self._backward_uses += 1
             root.schedule.record_post_forward(self)
-            root.expect_backward = True
+            root._expect_backward = True
         elif module.training and not torch.is_grad_enabled():
             self._uncounted_calls += 1
             self.recomputable = True
@@ -831,7 +831,7 @@ class Unit:
         self._root.apply_completed_reductions()  # before this unit's buffers are allocated
         self.unshard()  # finishes a prefetch, or gathers a unit outside the schedule
         self._root.prefetch_backward()
-        self._root.spares.drop()
+        self._root._spares.drop()
 
     def post_backward(self) -> None:
         """Autograd finished this unit's flat gradient for this backward (post-accumulate-grad
@@ -839,7 +839,7 @@ class Unit:
         root = self._root
         root.begin_backward()
         self._grad_arrived()
-        if root.sync:
+        if root._sync:
             self.pack_grad()
         else:
             self._accumulate_in_reduce_dtype()
@@ -847,7 +847,7 @@ class Unit:
         if self.stage.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
-        if root.sync:
+        if root._sync:
             root.start_due_reductions()
         root.schedule.unit_backward_done()
         root.prefetch_backward()
@@ -974,7 +974,7 @@ class Unit:
                 send.record_stream(compute)  # freed only after the compute stream has used it
             else:  # a CPU-only run: the same path, a host-to-host copy (into the last unit's send buffer)
                 send = torch.empty(0, dtype=self.param_dtype, device=self.device)
-                self._root.spares.allocate("send", send.untyped_storage(), (S + 1) * send.element_size())
+                self._root._spares.allocate("send", send.untyped_storage(), (S + 1) * send.element_size())
                 send.set_(send.untyped_storage(), 0, (S + 1,), (1,))
                 send.copy_(self.read_shard())
         else:
@@ -1032,7 +1032,7 @@ class Unit:
         """``collective`` of this unit, the phase and the step, for error messages."""
         root = self._root
         phase = "backward" if root.in_backward() else "forward"
-        return f"the {collective} of unit '{self.name}' in {phase} of step {root.steps_done + 1}"
+        return f"the {collective} of unit '{self.name}' in {phase} of step {root._steps_done + 1}"
 
     def check_in(self, following: Sequence[Unit] = ()) -> None:
         """The header exchange that precedes this unit's next data all-gather, where it has one
@@ -1084,13 +1084,13 @@ class Unit:
             with torch.no_grad():
                 self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
         if self.store is not None and self.device.type == "cpu":
-            self._root.spares.release("send", gather.send.untyped_storage())  # the next unit copies into it
+            self._root._spares.release("send", gather.send.untyped_storage())  # the next unit copies into it
         self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
 
     def _allocate_unsharded(self) -> None:
         storage = self._padded_unsharded.untyped_storage()
         if storage.nbytes() == 0:
-            self._root.spares.allocate("unsharded", storage, self.unsharded_nbytes)  # a freed unit's memory, on a CPU
+            self._root._spares.allocate("unsharded", storage, self.unsharded_nbytes)  # a freed unit's memory, on a CPU
 
     def reshard(self, spare: bool = False) -> None:
         """Free the unsharded buffer: -> SHARDED, unless the shard lives in the unsharded buffer
@@ -1170,7 +1170,7 @@ class Unit:
         # memory waits for the next unit's unshard (design/notes/spare-buffers.md).
         storage = self._padded_unsharded.untyped_storage()
         if spare:
-            self._root.spares.release("unsharded", storage)
+            self._root._spares.release("unsharded", storage)
         else:
             storage.resize_(0)
 

@@ -269,7 +269,7 @@ def _train_sharded(case: Case) -> dict[str, Any]:
             norms.append(clip(case, model))
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
-    store = model.offload_store
+    store = model._offload_store
     on_disk = None
     if store is not None and store.kind == "disk":  # what lives in the files: every shard, every state like a parameter
         on_disk = {

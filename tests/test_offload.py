@@ -177,7 +177,7 @@ def _checkpoint_roundtrip(directory: str, stage: int) -> dict:
     load_checkpoint(os.path.join(directory, "ck"), other, other_opt)
     for i in range(2, 4):
         step(other, other_opt, i)
-    store = other.offload_store
+    store = other._offload_store
     assert store is not None
     states = [v for p in other.parameters() for v in other_opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.to_local().numel()]
     return {
@@ -243,7 +243,7 @@ def _files_life(directory: str) -> dict:
     """Runs on every rank: the rank's directory exists with its marker while the model lives, is
     refused as a checkpoint, and is gone once the model is deleted."""
     model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, offload=Offload("disk", path=directory))
-    rank_dir = model.offload_store.directory
+    rank_dir = model._offload_store.directory
     alive = sorted(os.listdir(rank_dir))
     try:
         load_checkpoint(rank_dir, model)
@@ -282,7 +282,7 @@ def _the_state_created_by_a_step_is_file_backed_from_the_start(directory: str) -
         opt.step()
     finally:
         torch.zeros_like = real  # type: ignore[assignment]
-    return [model.offload_store.holds(t) for t in seen if t.dim() > 0 and t.to_local().numel()]
+    return [model._offload_store.holds(t) for t in seen if t.dim() > 0 and t.to_local().numel()]
 
 
 def test_adamw_state_is_born_on_disk(tmp_path):
@@ -448,7 +448,7 @@ def _faulted_in_by_steps(directory: str, optim: str, refuse: bool) -> dict:
                 calls.append([])
             opt.step()
             opt.zero_grad()
-        store = model.offload_store
+        store = model._offload_store
 
         def where(t: torch.Tensor) -> tuple[int, int, int]:
             local = t.to_local()

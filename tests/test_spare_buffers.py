@@ -43,7 +43,7 @@ class Block(nn.Module):
 
     def look(self) -> None:
         if Block.root is not None:
-            Block.seen.append(Block.root.spares.kept_bytes)
+            Block.seen.append(Block.root._spares.kept_bytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _Look.apply(x, self.look)
@@ -86,11 +86,11 @@ def _train(stage: int, offload: str | None, optim: str) -> dict:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        after_steps.append(model.spares.kept_bytes)
+        after_steps.append(model._spares.kept_bytes)
     full = model.full_state_dict(rank0_only=False)
     gap = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return {
-        "seen": Block.seen, "after_steps": after_steps, "reused": model.spares.reused, "gap": gap,
+        "seen": Block.seen, "after_steps": after_steps, "reused": model._spares.reused, "gap": gap,
         "params": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
     }
 

@@ -817,3 +817,54 @@ def test_generate_stops_at_a_different_step_on_each_rank(stage):
     assert len(results[0]["ids"]) < len(results[1]["ids"]) == 12  # rank 0 did stop early
     for r in results:  # resizing after wrapping is refused, saying to resize first (it failed in DTensor)
         assert "Resize before wrapping" in r["resize"] and r["vocab"] == 96, r
+
+
+class SyncFlagged(Flagged):
+    """A model with attributes under names the wrapper uses too (a flag called ``sync``, a ``stage``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync, self.stage = True, "pretrain"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 if self.sync else 0.5)
+
+
+def train_sync_flagged(model: nn.Module, chunk: tuple[int, int] = (1, 0)) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        if step == 1:
+            model.sync = False  # the model's flag: the wrapper's own state is private and keeps reducing
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).chunk(chunk[0])[chunk[1]]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_sync_flagged(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ShardedModule(SyncFlagged(), auto_wrap_policy={nn.Linear}, stage=stage)
+    train_sync_flagged(model, (dist.get_world_size(), dist.get_rank()))
+    return {"full": model.full_state_dict(rank0_only=False), "warned": [str(w.message) for w in caught if "holds" in str(w.message)],
+            "inner_sync": model.module.sync}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_models_attribute_named_like_the_wrappers_state_is_the_models(stage):
+    # `model.sync = False` on a model with its own `sync` flag turned the wrapper's gradient
+    # averaging off (a silent wrong number, found in review); the wrapper's state is private now.
+    # A name it still holds (`stage`) draws a warning at wrap time.
+    torch.manual_seed(0)
+    reference = SyncFlagged()
+    train_sync_flagged(reference)
+    for r in run_on_ranks(2, on_ranks_sync_flagged, stage):
+        assert r["inner_sync"] is False, r
+        assert len(r["warned"]) == 1 and "'stage'" in r["warned"][0] and "'sync'" not in r["warned"][0], r["warned"]
+        for name, value in reference.state_dict().items():
+            assert_close_params(r["full"][name], value, "sgd", 3, name)

@@ -45,6 +45,10 @@ _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # Every parameter some ShardedModule took (the original and its sharded DTensor) -> its name there
 _TAKEN_PARAMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
+_RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
+_optimizer_hook_installed = False
+
 # Where a peer's backward gathers a unit this rank's does not (stage 3, after forwards under no_grad)
 RECOMPUTED_ON_SOME_RANKS = (
     "A rank whose backward all-gathers a unit its peers' backwards do not is recomputing it under a "
@@ -54,9 +58,6 @@ RECOMPUTED_ON_SOME_RANKS = (
     "{'use_reentrant': False}), or use stage 1 or 2, where such a unit trains as it would in one process."
 )
 
-_RETIRED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_SHARDED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every sharded parameter a ShardedModule made -> its unit (weakly)
-_optimizer_hook_installed = False
 # The dispatch modes a disk-offload step runs under (UnitPager, and StateOnDisk for a step creating state), innermost last.
 _STATE_MODES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[TorchDispatchMode]]" = weakref.WeakKeyDictionary()
 
@@ -1422,7 +1423,7 @@ class ShardedModule(nn.Module):
             schedule.gathered_ahead()
         recomputable = [u for u in self._units if u.recomputable]
         if recomputable and self._switches.reshard_after_forward:
-            self._check_end_of_backward(recomputable)
+            self._check_end_of_backward(recomputable[0])
         if self._sync:
             for unit in schedule.skipped_reductions():
                 if unit.grad_state is GradState.ACCUMULATING:
@@ -1462,15 +1463,14 @@ class ShardedModule(nn.Module):
             for unit in reversed(self._units):
                 unit.run_grad_hooks()
 
-    def _check_end_of_backward(self, recomputable: Sequence[Unit]) -> None:
+    def _check_end_of_backward(self, unit: Unit) -> None:
         """At stage 3, after forwards that ran units under ``no_grad`` in training mode (a reentrant
         checkpoint's first pass): one header saying this rank's backward is over, before any
         reduce-scatter is waited for. A peer still recomputing such a unit, because only its loss
         reached the unit's output, is then at that unit's all-gather, meets this header instead of
         waiting for a gather this rank will never issue, and every rank raises, naming both
         (design/notes/activation-checkpointing.md, "Recomputed on some ranks"). CPU groups only,
-        as every header."""
-        unit = recomputable[0]
+        as every header. ``unit``: any unit, for its group and names."""
         if unit.device.type != "cpu" or unit.world_size == 1:
             return
         mine = [collectives.HEADER_END, 0]

@@ -406,6 +406,14 @@ class Unit:
         self._reentered = 0  # calls of this unit's module inside its own running forward
         self._backward_uses = 0  # forward calls whose outputs await a gradient (see _views_done)
         self._uncounted_calls = 0  # training calls under no_grad (a reentrant checkpoint's first pass) since the last backward
+        # The split node behind the views a running forward installed (held from pre_forward to
+        # post_forward only: it leads, out of the garbage collector's sight, to the leaf whose hook
+        # holds this unit); counted calls whose own split this backward will not reach, for which
+        # pre_backward's views count (see _stand_in_done); the autograd graph task that ran
+        # pre_backward (a nested one is a reentrant checkpoint's: see post_backward)
+        self._views_split: torch.autograd.graph.Node | None = None
+        self._stand_ins = 0
+        self._backward_task = -1
         # Such a call since the last backward that reduced: a reentrant checkpoint may recompute the
         # unit in backward on the ranks whose loss reached its output only, so every rank reduces it
         # at the end of that backward (design/notes/activation-checkpointing.md, "Recomputed on some ranks")
@@ -756,7 +764,7 @@ class Unit:
         if ahead is not None:
             ahead.unshard(async_op=True)
         root._spares.drop()  # the allocations that could reuse them are made: none waits through compute
-        self._install_unsharded_views()
+        self._views_split = self._install_unsharded_views()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: the slots get the shards back; outputs that need a gradient get the
@@ -776,10 +784,11 @@ class Unit:
             return output
         self._install_sharded_params()
         self.training_state = TrainingState.IDLE
+        split, self._views_split = self._views_split, None
         found = tensors_in(output) if torch.is_grad_enabled() else []
         wants_grad = list({id(t): t for t in found if t.requires_grad}.values())  # once each
         if wants_grad:
-            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(), mode="any")
+            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(split), mode="any")
             self._backward_uses += 1
             root.schedule.record_post_forward(self)
             root._expect_backward = True
@@ -798,11 +807,12 @@ class Unit:
             root.root_post_forward()
         return output
 
-    def pre_backward(self) -> None:
-        """The first gradient reached one of the unit's outputs: gather it (in schedule order) and
-        point the slots at it until post_backward. A recomputation that runs ``forward`` without
-        the module's hooks (HF checkpoints ``forward``, not ``__call__``) then reads full
-        parameters, as it read them in the first forward."""
+    def pre_backward(self, split: torch.autograd.graph.Node | None = None) -> None:
+        """The first gradient reached the outputs of one of the unit's forward calls (``split``:
+        the node behind that call's views): gather it (in schedule order) and point the slots at
+        it until post_backward. A recomputation that runs ``forward`` without the module's hooks
+        (HF checkpoints ``forward``, not ``__call__``) then reads full parameters, as it read them
+        in the first forward."""
         if torch.is_grad_enabled() and self.stage.reshard_after_backward and self.layout.slots:
             # autograd runs a backward in grad mode only with create_graph=True
             raise RuntimeError(
@@ -815,9 +825,15 @@ class Unit:
                 f"double-backward part of the model."
             )
         self._root.begin_backward()
+        self._backward_task = torch._C._current_graph_task_id()
+        if split is not None and not torch._C._will_engine_execute_node(split):
+            # This backward never reaches the call's views: the call used them under no_grad only
+            # (HF checkpoints the layer's forward). Its recomputation reads the views installed
+            # here, and their split counts the call off instead (_stand_in_done).
+            self._stand_ins += 1
         self._gather_for_backward()
         with torch.enable_grad():  # backward runs without grad mode; the recomputation needs views autograd can follow to the leaf
-            self._install_unsharded_views()
+            self._install_unsharded_views(stand_in=True)
         self.training_state = TrainingState.BACKWARD
 
     def _gather_for_backward(self) -> None:
@@ -844,7 +860,11 @@ class Unit:
         else:
             self._accumulate_in_reduce_dtype()
         self._install_sharded_params()  # a recomputation that stopped early left views installed
-        if self.stage.reshard_after_backward:
+        # A nested backward (a reentrant checkpoint of a later part of the unit's forward) runs
+        # before the outer one has used the forward call's views: those still read the data
+        # (design/notes/activation-checkpointing.md, "A nested backward before the outer one")
+        nested = self._backward_uses > 0 and torch._C._current_graph_task_id() != self._backward_task
+        if self.stage.reshard_after_backward and not nested:
             self.reshard()
         self.training_state = TrainingState.IDLE
         if root._sync:
@@ -928,9 +948,21 @@ class Unit:
         if self._backward_uses == 0 and self.data_state is DataState.UNSHARDED:
             self.reshard()
 
+    def _stand_in_done(self, grad_outputs: object) -> None:
+        """Autograd node pre-hook on the split of the views pre_backward installed: a nested
+        backward (a reentrant checkpoint's) ran through them. That counts a forward call off only
+        where the call's own views are out of this backward (a checkpoint of the unit's whole
+        ``forward``). Where they are in it (a checkpoint of a later part of the forward), the outer
+        backward still reads them, and their own split counts the call off
+        (design/notes/activation-checkpointing.md, "A nested backward before the outer one")."""
+        if self._stand_ins > 0:
+            self._stand_ins -= 1
+            self._views_done(grad_outputs)
+
     def end_backward(self) -> None:
         """The end of backward: forward calls whose outputs got no gradient are not waited for."""
-        self._backward_uses = self._uncounted_calls = 0
+        self._backward_uses = self._uncounted_calls = self._stand_ins = 0
+        self._backward_task = -1
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -1144,7 +1176,8 @@ class Unit:
             finish(reduction.replica_work)
         self._packed = None
         self._reentered = 0
-        self._backward_uses = self._uncounted_calls = 0
+        self._backward_uses = self._uncounted_calls = self._stand_ins = 0
+        self._backward_task, self._views_split = -1, None
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
         self._used_here = [False] * len(self._grad_used)
@@ -1194,9 +1227,11 @@ class Unit:
 
     # ---- module slots -------------------------------------------------------------------------
 
-    def _install_unsharded_views(self) -> None:
+    def _install_unsharded_views(self, *, stand_in: bool = False) -> torch.autograd.graph.Node | None:
         """Point every slot at a fresh full-shape view of the unsharded buffer (a plain tensor in
-        ``_parameters``: see design/notes/freeing-unsharded-storage.md)."""
+        ``_parameters``: see design/notes/freeing-unsharded-storage.md). ``stand_in``: pre_backward's
+        views, which count a forward call off only in place of that call's own (_stand_in_done).
+        Returns the split node behind the views (None without trainable parameters)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
         view_node = views[0].grad_fn if views and self.layout.num_trainable else None
@@ -1210,7 +1245,7 @@ class Unit:
                 # It runs once every op that used the views in this backward is done: reshard
                 # before it allocates the flat gradient (design/notes/prefetch.md, "Resharding
                 # before the flat gradient").
-                split.register_prehook(_weak(self._views_done))
+                split.register_prehook(_weak(self._stand_in_done if stand_in else self._views_done))
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
@@ -1220,6 +1255,7 @@ class Unit:
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
+        return split
 
     def _check_slots(self) -> None:
         """Between forwards every slot holds its sharded parameter. One that holds something else

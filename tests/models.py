@@ -454,27 +454,33 @@ def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: st
 
 
 class InnerCheckpointBlock(Block):
-    """A ``Block`` whose forward checkpoints only part of itself (``tanh(up(norm(x)))``) while
-    training, so the unit's parameters take gradients both from inside the checkpointed region and
-    outside it (``down``): with ``use_reentrant=True`` the inside ones arrive from a nested backward."""
+    """A ``Block`` whose forward checkpoints only part of itself while training, so the unit's
+    parameters take gradients both from inside the checkpointed region and outside it: with
+    ``use_reentrant=True`` the inside ones arrive from a nested backward. ``late=False``
+    checkpoints the first part (``tanh(up(norm(x)))``, ``down`` outside); ``late=True`` the
+    second (``down(tanh(.))``), so the nested backward runs before the outer backward reaches
+    ``up`` and ``norm``."""
 
-    def __init__(self, dim: int, reentrant: bool) -> None:
+    def __init__(self, dim: int, reentrant: bool, late: bool = False) -> None:
         super().__init__(dim)
         self.reentrant = reentrant
+        self.late = late
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         if not self.training:
             return super().forward(x)
+        if self.late:
+            return x + checkpoint(lambda t: self.down(torch.tanh(t)), self.up(self.norm(x)), use_reentrant=self.reentrant)
         inner = checkpoint(lambda t: torch.tanh(self.up(self.norm(t))), x, use_reentrant=self.reentrant)
         return x + self.down(inner)
 
 
-def inner_checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str = "reentrant") -> nn.Module:
+def inner_checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str = "reentrant", late: bool = False) -> nn.Module:
     """``mlp`` whose Blocks checkpoint part of their own forward (``InnerCheckpointBlock``)."""
     model = MLP(dim, depth, out)
-    model.blocks = nn.ModuleList(InnerCheckpointBlock(dim, checkpoint == "reentrant") for _ in range(depth))
+    model.blocks = nn.ModuleList(InnerCheckpointBlock(dim, checkpoint == "reentrant", late) for _ in range(depth))
     return model
 
 

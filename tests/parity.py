@@ -42,7 +42,10 @@ class Case:
     no_sync: bool = False  # run all but the last micro-batch under model.no_sync()
     mixed_precision: str | None = None  # "bf16" | "fp16": param and reduce dtype
     clip: float | None = None  # clip_grad_norm_ max_norm
-    clip_api: str = "shardwrap"  # or "torch": torch.nn.utils.clip_grad_norm_(model.parameters(), ...)
+    # or "torch": torch.nn.utils.clip_grad_norm_(model.parameters(), ...); "torch_foreach": the
+    # same with foreach=True; "torch_split": get_total_norm then clip_grads_with_norm_; "torch_value":
+    # clip_grad_value_(model.parameters(), clip) (the reference does the same)
+    clip_api: str = "shardwrap"
     norm_type: float = 2.0
     max_unsharded: int = 2
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
@@ -152,7 +155,9 @@ def train_reference(case: Case, *, mixed_precision: str | None = "case") -> tupl
                 q.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         losses.append(step_loss)
-        if case.clip is not None:
+        if case.clip is not None and case.clip_api == "torch_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip)
+        elif case.clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, case.norm_type).item())
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
@@ -265,8 +270,9 @@ def _train_sharded(case: Case) -> dict[str, Any]:
                 loss.backward()
             step_loss += loss.item()
         losses.append(step_loss)
-        if case.clip is not None:
-            norms.append(clip(case, model))
+        norm = clip(case, model) if case.clip is not None else None
+        if norm is not None:
+            norms.append(norm)
         opt.step()
         opt.zero_grad(set_to_none=case.set_to_none)
     store = model._offload_store
@@ -335,13 +341,21 @@ def shard_place(case: Case, world_size: int, rank: int) -> tuple[int, int]:
     return shards, rank % shards
 
 
-def clip(case: Case, model: Any) -> float:
+def clip(case: Case, model: Any) -> float | None:
     """Clip as the case says and return the total norm. With torch's own clip_grad_norm_ on
     ``model.parameters()`` (DTensors), the norm must agree with shardwrap's method on every rank."""
     if case.clip_api == "shardwrap":
         return model.clip_grad_norm_(case.clip, case.norm_type).item()
     ours = model.clip_grad_norm_(float("inf"), case.norm_type).item()  # the norm; scales by 1
-    total = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, case.norm_type)
+    params = list(model.parameters())
+    if case.clip_api == "torch_value":
+        torch.nn.utils.clip_grad_value_(params, case.clip)
+        return None
+    if case.clip_api == "torch_split":
+        total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], case.norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, case.clip, total)
+    else:
+        total = torch.nn.utils.clip_grad_norm_(params, case.clip, case.norm_type, foreach=True if case.clip_api == "torch_foreach" else None)
     total = total.full_tensor() if isinstance(total, DTensor) else total
     assert abs(total.item() - ours) <= 1e-5 * max(1.0, ours), f"torch's norm {total.item()} vs model.clip_grad_norm_ {ours}"
     return total.item()

@@ -73,6 +73,15 @@ def test_torch_clip_grad_norm_matches_the_unwrapped_model(stage, world_size, nor
     check_parity(case(stage=stage, clip=0.05, clip_api="torch", norm_type=norm_type), world_size)
 
 
+@pytest.mark.parametrize("clip_api", ["torch_foreach", "torch_split", "torch_value"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torchs_other_clipping_functions_match_the_unwrapped_model(stage, clip_api):
+    # clip_grad_norm_(..., foreach=True), get_total_norm + clip_grads_with_norm_ (torch >= 2.6's
+    # split form, which HF Trainer and torchtitan use), clip_grad_value_: each on
+    # model.parameters(), against the same call on the unwrapped model. Every step clips.
+    check_parity(case(stage=stage, clip=0.05 if clip_api != "torch_value" else 0.002, clip_api=clip_api), 2)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_inf_norm_with_an_empty_shard_matches_the_unwrapped_model(stage):
     # The head has one row at W=2, so rank 1's shards of its weight and bias are empty. torch's

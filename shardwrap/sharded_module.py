@@ -1016,8 +1016,11 @@ class ShardedModule(nn.Module):
         return self
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "ShardedModule":
+        """``fn`` on every module of the wrapped model, children first, as under ``fully_shard``
+        (where the model is the root). Not on the wrapper too: it reads through to the model, so
+        an init function that checks ``hasattr(m, "reset_parameters")`` or ``m.weight`` would run
+        on the model's root twice."""
         self.module.apply(fn)
-        fn(self)
         return self
 
     def _routes_to_inner(self, name: str) -> nn.Module | None:

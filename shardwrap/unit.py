@@ -484,7 +484,10 @@ class Unit:
             self.unsharded_trainable.register_hook(self._before_accumulate)
             self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
         if self.shard_in_unsharded:
-            self._gathered_version = self._shard_version()
+            # Stale until the first forward gathers: a write after wrapping that no version counter
+            # sees (HF's ``module.weight.data.normal_()`` in an init applied to the wrapped model)
+            # reached this rank's rows only, and the other rows must come from their owners
+            self._gathered_version = -1
         else:
             self._free_unsharded()
         self._install_sharded_params()
@@ -1261,7 +1264,23 @@ class Unit:
         """Between forwards every slot holds its sharded parameter. One that holds something else
         was reassigned after wrapping (``module.weight = nn.Parameter(...)``, HF's
         ``resize_token_embeddings``, ``torch.func.functional_call`` with other tensors): the unit
-        would gather and compute with its own shard and silently ignore it, so refuse instead."""
+        would gather and compute with its own shard and silently ignore it, so refuse instead.
+        The same for a parameter whose ``.data`` was replaced (``p.data = t``): a DTensor holds
+        no storage of its own, and that assignment gives it one that nothing reads."""
+        for i, (param, slot) in enumerate(zip(self.sharded_params, self.layout.slots)):
+            if param.data_ptr() != param.storage_offset() * param.element_size():  # has a real storage
+                # Undo it first (the wrapper gets a storage-less DTensor's metadata back; its local
+                # shard never changed), so the error leaves a model that can go on
+                param.data = self.as_dtensor(self._local_params[i], slot)
+                raise RuntimeError(
+                    f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' had its "
+                    f".data replaced after wrapping (p.data = tensor; torch.nn.utils.vector_to_parameters does "
+                    f"it). A sharded parameter's values live in its unit's shard, which that assignment does not "
+                    f"reach, so the new values were dropped (fully_shard drops them silently); the parameter "
+                    f"holds its old values again. Write the values in instead, on every rank: "
+                    f"model.load_state_dict({{'{slot.fqn}': full_tensor}}, strict=False), or under "
+                    f"torch.no_grad() p.copy_(distribute_tensor(full_tensor, p.device_mesh, p.placements))."
+                )
         for param, slots, slot in zip(self.sharded_params, self.slots, self.layout.slots):
             for module, attr in slots:
                 held = module._parameters.get(attr)

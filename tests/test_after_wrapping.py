@@ -356,6 +356,10 @@ def on_ranks_replaced_parameters(stage: int) -> dict:
     zeros = {n: torch.zeros_like(p.full_tensor()) for n, p in params.items()}
     out["functional_call"] = refused(lambda: torch.func.functional_call(model, zeros, (x,)))
     out["after"] = torch.equal(model(x).detach(), out["before"])
+    down = model.module.blocks[1].down.weight
+    down.data = torch.zeros_like(down.full_tensor())  # what torch.nn.utils.vector_to_parameters does
+    out["data_swapped"] = refused(lambda: model(x))
+    out["after_data"] = torch.equal(model(x).detach(), out["before"])  # undone: the model goes on
     return out
 
 
@@ -363,8 +367,10 @@ def on_ranks_replaced_parameters(stage: int) -> dict:
 def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stage):
     # The unit would gather its own shard and silently compute without the new tensor (also
     # under fully_shard); now the next forward names it. functional_call with the model's own
-    # parameters is no replacement and works.
+    # parameters is no replacement and works. So for p.data = t (vector_to_parameters), which
+    # the error undoes so that the model goes on.
     for r in run_on_ranks(WORLD, on_ranks_replaced_parameters, stage):
-        for call, name in (("assigned", "blocks.0.up.weight"), ("functional_call", "inp.weight")):
+        for call, name in (("assigned", "blocks.0.up.weight"), ("functional_call", "inp.weight"), ("data_swapped", "blocks.1.down.weight")):
             assert f"'{name}'" in r[call] and "replaced after wrapping" in r[call], r[call]
-        assert r["own_params"] and r["after"], r
+        assert "p.data = tensor" in r["data_swapped"], r["data_swapped"]
+        assert r["own_params"] and r["after"] and r["after_data"], r

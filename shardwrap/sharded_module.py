@@ -824,6 +824,7 @@ class ShardedModule(nn.Module):
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self._expect_backward = False  # a unit's outputs require grad: a backward will follow
+        self.outer_task = -1  # the autograd graph task of the running backward (begin_backward)
         self._steps_done = 0  # backward passes finished (error messages name the step)
         self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
         self._sync = True  # False inside no_sync()
@@ -1328,6 +1329,9 @@ class ShardedModule(nn.Module):
         if self._state is TrainingState.BACKWARD:
             return
         self._state = TrainingState.BACKWARD
+        # The graph task this backward runs in; a reentrant checkpoint's nested backwards run in
+        # tasks of their own, and units they are done with wait for this one (release_due_units)
+        self.outer_task = torch._C._current_graph_task_id()
         # No public API runs a function once the whole backward pass is done; FSDP1 and FSDP2 use
         # this engine call too (design/notes/end-of-backward.md).
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -1360,6 +1364,15 @@ class ShardedModule(nn.Module):
         unit.finish_grad_beside_compute()  # offload on a GPU: off to the host as soon as it is reduced
         while (oldest := self.schedule.over_bound()) is not None:
             self._reduced(oldest)
+
+    def release_due_units(self) -> None:
+        """A hook of the outermost backward runs: every nested backward before it is over, and
+        units a nested backward was done with, and that no running backward still reads, give
+        their slots back and free their parameters (design/notes/activation-checkpointing.md,
+        "When backward is done with a unit")."""
+        for unit in self._units:
+            if unit.release_due:
+                unit.release_if_done()
 
     def apply_completed_reductions(self) -> None:
         """Add every completed reduce-scatter into ``p.grad`` and free its buffers (never waits);

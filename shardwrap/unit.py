@@ -113,8 +113,17 @@ def completion_probe(work: collectives.Work | None, device: torch.device) -> Cal
     return work.is_completed
 
 
-def _weak(method: Callable[..., None]) -> Callable[..., None]:
-    """``method`` without a strong reference to its object.
+@dataclasses.dataclass(frozen=True)
+class _Views:
+    """One installed set of full-shape views: its number, and the split node behind them."""
+
+    number: int
+    split: torch.autograd.graph.Node
+
+
+def _weak(method: Callable[..., None], *first: Any) -> Callable[..., None]:
+    """``method`` without a strong reference to its object (called with ``first`` before the
+    hook's own arguments).
 
     A hook registered with ``register_post_accumulate_grad_hook`` is kept where Python's garbage
     collector does not look, so a hook that references the unit owning the tensor makes a cycle
@@ -126,7 +135,7 @@ def _weak(method: Callable[..., None]) -> Callable[..., None]:
     def call(*args: object) -> None:
         bound = ref()
         if bound is not None:
-            bound(*args)
+            bound(*first, *args)
 
     return call
 
@@ -404,16 +413,20 @@ class Unit:
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
-        self._backward_uses = 0  # forward calls whose outputs await a gradient (see _views_done)
-        self._uncounted_calls = 0  # training calls under no_grad (a reentrant checkpoint's first pass) since the last backward
-        # The split node behind the views a running forward installed (held from pre_forward to
-        # post_forward only: it leads, out of the garbage collector's sight, to the leaf whose hook
-        # holds this unit); counted calls whose own split this backward will not reach, for which
-        # pre_backward's views count (see _stand_in_done); the autograd graph task that ran
-        # pre_backward (a nested one is a reentrant checkpoint's: see post_backward)
-        self._views_split: torch.autograd.graph.Node | None = None
-        self._stand_ins = 0
-        self._backward_task = -1
+        # When a backward is done with the gathered parameters (design/notes/activation-checkpointing.md,
+        # "When backward is done with a unit"): each installed set of views gets a number; the views
+        # a running forward installed (held from pre_forward to post_forward only: the split node
+        # leads, out of the garbage collector's sight, to the leaf whose hook holds this unit); the
+        # (views, graph task) pairs whose split a running backward will still execute; and whether a
+        # release waits for the outermost backward (it came up inside a nested one); the views of
+        # the forward calls whose outputs need a gradient, since the last backward, and the graph
+        # task and calls pre_backward has looked at
+        self._view_sets = 0
+        self._forward_views: _Views | None = None
+        self._awaited: list[tuple[int, int]] = []
+        self.release_due = False
+        self._calls: list[_Views] = []
+        self._calls_task, self._considered = -1, set[int]()
         # Such a call since the last backward that reduced: a reentrant checkpoint may recompute the
         # unit in backward on the ranks whose loss reached its output only, so every rank reduces it
         # at the end of that backward (design/notes/activation-checkpointing.md, "Recomputed on some ranks")
@@ -481,7 +494,7 @@ class Unit:
         self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
         if layout.num_trainable:
             self.unsharded_trainable.requires_grad_(True)
-            self.unsharded_trainable.register_hook(self._before_accumulate)
+            self.unsharded_trainable.register_hook(_weak(self._before_accumulate))  # _calls' split nodes lead here
             self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
         if self.shard_in_unsharded:
             # Stale until the first forward gathers: a write after wrapping that no version counter
@@ -738,6 +751,8 @@ class Unit:
     def _gather_before_forward(self, module: nn.Module) -> None:
         root = self._root
         if root.in_backward():
+            if torch._C._current_graph_task_id() == root.outer_task:
+                root.release_due_units()  # the nested backwards that ran before this are over
             self._gather_for_backward()
             self._install_unsharded_views()
             return
@@ -767,36 +782,29 @@ class Unit:
         if ahead is not None:
             ahead.unshard(async_op=True)
         root._spares.drop()  # the allocations that could reuse them are made: none waits through compute
-        self._views_split = self._install_unsharded_views()
+        self._forward_views = self._install_unsharded_views()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: the slots get the shards back; outputs that need a gradient get the
         pre_backward hook; stage 3 reshards."""
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
-            if self._uncounted_calls and torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
-                # A reentrant checkpoint recomputes calls its first pass made under no_grad, and its
-                # inner backward runs through these views: count the call, so a unit called twice
-                # in the region stays gathered until both are done. A non-reentrant recomputation
-                # repeats calls already counted, whose views no backward runs through: not counted.
-                self._uncounted_calls -= 1
-                self._backward_uses += 1
             return output
         if self._reentered:  # an inner call ended; the outer one still runs
             self._reentered -= 1
             return output
         self._install_sharded_params()
         self.training_state = TrainingState.IDLE
-        split, self._views_split = self._views_split, None
+        views, self._forward_views = self._forward_views, None
         found = tensors_in(output) if torch.is_grad_enabled() else []
         wants_grad = list({id(t): t for t in found if t.requires_grad}.values())  # once each
         if wants_grad:
-            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(split), mode="any")
-            self._backward_uses += 1
+            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
+            if views is not None:
+                self._calls.append(views)
             root.schedule.record_post_forward(self)
             root._expect_backward = True
         elif module.training and not torch.is_grad_enabled():
-            self._uncounted_calls += 1
             self.recomputable = True
         # Backward gathers the root first and then the unit that ended the forward: resharding
         # them here would only gather them again at once (design/notes/prefetch.md).
@@ -810,10 +818,10 @@ class Unit:
             root.root_post_forward()
         return output
 
-    def pre_backward(self, split: torch.autograd.graph.Node | None = None) -> None:
-        """The first gradient reached the outputs of one of the unit's forward calls (``split``:
-        the node behind that call's views): gather it (in schedule order) and point the slots at
-        it until post_backward. A recomputation that runs ``forward`` without the module's hooks
+    def pre_backward(self, views: "_Views | None" = None) -> None:
+        """The first gradient reached the outputs of one of the unit's forward calls (``views``:
+        what that call installed): gather it (in schedule order) and point the slots at it until
+        backward is done with it. A recomputation that runs ``forward`` without the module's hooks
         (HF checkpoints ``forward``, not ``__call__``) then reads full parameters, as it read them
         in the first forward."""
         if torch.is_grad_enabled() and self.stage.reshard_after_backward and self.layout.slots:
@@ -827,16 +835,24 @@ class Unit:
                 f"with respect to inputs, as a gradient penalty takes them), or leave this unit out of the "
                 f"double-backward part of the model."
             )
-        self._root.begin_backward()
-        self._backward_task = torch._C._current_graph_task_id()
-        if split is not None and not torch._C._will_engine_execute_node(split):
-            # This backward never reaches the call's views: the call used them under no_grad only
-            # (HF checkpoints the layer's forward). Its recomputation reads the views installed
-            # here, and their split counts the call off instead (_stand_in_done).
-            self._stand_ins += 1
+        root = self._root
+        root.begin_backward()
+        task = torch._C._current_graph_task_id()
+        if task != self._calls_task:
+            self._calls_task, self._considered = task, set()
+        for call in (*self._calls, views):
+            # This backward reads each call's views until their split runs (not so where the call
+            # used them under no_grad only: HF checkpoints the layer's forward). Every call's, not
+            # only this one's: the calls whose gradient comes later must not find the unit freed.
+            if call is not None and call.number not in self._considered:
+                self._considered.add(call.number)
+                if torch._C._will_engine_execute_node(call.split):
+                    self._awaited.append((call.number, task))
+        if task == root.outer_task:
+            root.release_due_units()  # the nested backwards that ran before this are over
         self._gather_for_backward()
         with torch.enable_grad():  # backward runs without grad mode; the recomputation needs views autograd can follow to the leaf
-            self._install_unsharded_views(stand_in=True)
+            self._install_unsharded_views()
         self.training_state = TrainingState.BACKWARD
 
     def _gather_for_backward(self) -> None:
@@ -862,13 +878,7 @@ class Unit:
             self.pack_grad()
         else:
             self._accumulate_in_reduce_dtype()
-        self._install_sharded_params()  # a recomputation that stopped early left views installed
-        # A nested backward (a reentrant checkpoint of a later part of the unit's forward) runs
-        # before the outer one has used the forward call's views: those still read the data
-        # (design/notes/activation-checkpointing.md, "A nested backward before the outer one")
-        nested = self._backward_uses > 0 and torch._C._current_graph_task_id() != self._backward_task
-        if self.stage.reshard_after_backward and not nested:
-            self.reshard()
+        self.release_if_done()
         self.training_state = TrainingState.IDLE
         if root._sync:
             root.start_due_reductions()
@@ -942,30 +952,45 @@ class Unit:
                 if key not in self._own_grad_hooks:
                     hook(param)
 
-    def _views_done(self, grad_outputs: object) -> None:
-        """Autograd node pre-hook on the views' split: the views of one forward call have done
-        their part in this backward; after the last call's, free the parameters before the flat
-        gradient is allocated (stages 2 and 3). A unit called several times in one forward stays
-        gathered until its last call's backward, as post_backward would keep it."""
-        self._backward_uses = max(self._backward_uses - 1, 0)
-        if self._backward_uses == 0 and self.data_state is DataState.UNSHARDED:
+    def _views_done(self, number: int, grad_outputs: object) -> None:
+        """Autograd node pre-hook on a set of views' split: every op that used those views in the
+        running backward (graph task) is done; after the last awaited set, free the parameters
+        before the flat gradient is allocated (design/notes/prefetch.md, "Resharding before the
+        flat gradient"). A unit called several times in one forward stays gathered until its
+        last call's views are done."""
+        task = torch._C._current_graph_task_id()
+        if (number, task) in self._awaited:
+            self._awaited.remove((number, task))
+        self.release_if_done()
+
+    def release_if_done(self) -> None:
+        """A backward may be done with the gathered parameters (a split or the flat gradient's
+        hook ran): unless a running backward still awaits a set of views, put the shards back in
+        the slots and free the parameters (stages 2 and 3). Inside a nested backward (a reentrant
+        checkpoint's) that waits for the outermost backward: the backward that started it may
+        still read the views, and a later recomputation may read the slots
+        (design/notes/activation-checkpointing.md, "When backward is done with a unit")."""
+        if self._awaited:
+            return
+        root = self._root
+        if torch._C._current_graph_task_id() != root.outer_task:
+            self.release_due = True
+            return
+        self.release()
+
+    def release(self) -> None:
+        """Backward is done with the gathered parameters: the slots get the shards back (a
+        recomputation left views there) and stages 2 and 3 free them."""
+        self.release_due = False
+        self._install_sharded_params()
+        if self.stage.reshard_after_backward and self.data_state is DataState.UNSHARDED:
             self.reshard()
 
-    def _stand_in_done(self, grad_outputs: object) -> None:
-        """Autograd node pre-hook on the split of the views pre_backward installed: a nested
-        backward (a reentrant checkpoint's) ran through them. That counts a forward call off only
-        where the call's own views are out of this backward (a checkpoint of the unit's whole
-        ``forward``). Where they are in it (a checkpoint of a later part of the forward), the outer
-        backward still reads them, and their own split counts the call off
-        (design/notes/activation-checkpointing.md, "A nested backward before the outer one")."""
-        if self._stand_ins > 0:
-            self._stand_ins -= 1
-            self._views_done(grad_outputs)
-
     def end_backward(self) -> None:
-        """The end of backward: forward calls whose outputs got no gradient are not waited for."""
-        self._backward_uses = self._uncounted_calls = self._stand_ins = 0
-        self._backward_task = -1
+        """The end of backward: views of forward calls whose outputs got no gradient are not
+        waited for."""
+        self._awaited, self.release_due, self._calls = [], False, []
+        self._calls_task, self._considered = -1, set()
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -1179,8 +1204,8 @@ class Unit:
             finish(reduction.replica_work)
         self._packed = None
         self._reentered = 0
-        self._backward_uses = self._uncounted_calls = self._stand_ins = 0
-        self._backward_task, self._views_split = -1, None
+        self._awaited, self.release_due, self._forward_views, self._calls = [], False, None, []
+        self._calls_task, self._considered = -1, set()
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
         self._used_here = [False] * len(self._grad_used)
@@ -1230,11 +1255,10 @@ class Unit:
 
     # ---- module slots -------------------------------------------------------------------------
 
-    def _install_unsharded_views(self, *, stand_in: bool = False) -> torch.autograd.graph.Node | None:
+    def _install_unsharded_views(self) -> "_Views | None":
         """Point every slot at a fresh full-shape view of the unsharded buffer (a plain tensor in
-        ``_parameters``: see design/notes/freeing-unsharded-storage.md). ``stand_in``: pre_backward's
-        views, which count a forward call off only in place of that call's own (_stand_in_done).
-        Returns the split node behind the views (None without trainable parameters)."""
+        ``_parameters``: see design/notes/freeing-unsharded-storage.md). Returns their number and
+        the split node behind them (None without trainable parameters)."""
         self._expect_data("install unsharded views", DataState.UNSHARDED)
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
         view_node = views[0].grad_fn if views and self.layout.num_trainable else None
@@ -1244,11 +1268,11 @@ class Unit:
             # views got one: a parameter no rank's forward used keeps p.grad None
             # (design/notes/unused-parameters.md).
             split.register_prehook(_weak(self._note_used_grads))
-            if self.stage.reshard_after_backward:
-                # It runs once every op that used the views in this backward is done: reshard
-                # before it allocates the flat gradient (design/notes/prefetch.md, "Resharding
-                # before the flat gradient").
-                split.register_prehook(_weak(self._stand_in_done if stand_in else self._views_done))
+            # It runs once every op that used the views in a backward is done: reshard before it
+            # allocates the flat gradient (design/notes/prefetch.md, "Resharding before the flat
+            # gradient"), or give the slots back (stage 1)
+            self._view_sets += 1
+            split.register_prehook(_weak(self._views_done, self._view_sets))
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
@@ -1258,7 +1282,7 @@ class Unit:
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
-        return split
+        return _Views(self._view_sets, split) if split is not None else None
 
     def _check_slots(self) -> None:
         """Between forwards every slot holds its sharded parameter. One that holds something else
@@ -1268,7 +1292,7 @@ class Unit:
         The same for a parameter whose ``.data`` was replaced (``p.data = t``): a DTensor holds
         no storage of its own, and that assignment gives it one that nothing reads."""
         for i, (param, slot) in enumerate(zip(self.sharded_params, self.layout.slots)):
-            if param.data_ptr() != param.storage_offset() * param.element_size():  # has a real storage
+            if param.numel() and param.data_ptr() != param.storage_offset() * param.element_size():  # a real storage
                 # Undo it first (the wrapper gets a storage-less DTensor's metadata back; its local
                 # shard never changed), so the error leaves a model that can go on
                 param.data = self.as_dtensor(self._local_params[i], slot)

@@ -454,33 +454,61 @@ def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: st
 
 
 class InnerCheckpointBlock(Block):
-    """A ``Block`` whose forward checkpoints only part of itself while training, so the unit's
-    parameters take gradients both from inside the checkpointed region and outside it: with
-    ``use_reentrant=True`` the inside ones arrive from a nested backward. ``late=False``
-    checkpoints the first part (``tanh(up(norm(x)))``, ``down`` outside); ``late=True`` the
-    second (``down(tanh(.))``), so the nested backward runs before the outer backward reaches
-    ``up`` and ``norm``."""
+    """A ``Block`` whose forward checkpoints only parts of itself while training, so the unit's
+    parameters take gradients both from inside checkpointed regions and outside them: with
+    ``use_reentrant=True`` the inside ones arrive from nested backwards. ``part``:
 
-    def __init__(self, dim: int, reentrant: bool, late: bool = False) -> None:
+    - ``"early"``: ``tanh(up(norm(x)))`` is checkpointed, ``down`` outside;
+    - ``"late"``: ``down(tanh(.))`` is checkpointed, so the nested backward runs before the outer
+      backward reaches ``up`` and ``norm``;
+    - ``"two"``: ``up`` and ``down`` in two regions of their own, ``norm`` outside (attention and
+      MLP checkpointed apart);
+    - ``"two_inside"``: two regions that read every parameter between them (``norm`` and ``up``,
+      then ``down``), so the unit's first-pass views see no backward at all and both
+      recomputations read whatever its slots hold."""
+
+    def __init__(self, dim: int, reentrant: bool, part: str = "early") -> None:
         super().__init__(dim)
         self.reentrant = reentrant
-        self.late = late
+        self.part = part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         if not self.training:
             return super().forward(x)
-        if self.late:
-            return x + checkpoint(lambda t: self.down(torch.tanh(t)), self.up(self.norm(x)), use_reentrant=self.reentrant)
-        inner = checkpoint(lambda t: torch.tanh(self.up(self.norm(t))), x, use_reentrant=self.reentrant)
+        r = self.reentrant
+        if self.part == "late":
+            return x + checkpoint(lambda t: self.down(torch.tanh(t)), self.up(self.norm(x)), use_reentrant=r)
+        if self.part == "two":
+            h = torch.tanh(checkpoint(self.up, self.norm(x), use_reentrant=r))
+            return x + checkpoint(self.down, h, use_reentrant=r)
+        if self.part == "two_inside":
+            h = checkpoint(lambda t: torch.tanh(self.up(self.norm(t))), x, use_reentrant=r)
+            return x + checkpoint(self.down, h, use_reentrant=r)
+        inner = checkpoint(lambda t: torch.tanh(self.up(self.norm(t))), x, use_reentrant=r)
         return x + self.down(inner)
 
 
-def inner_checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str = "reentrant", late: bool = False) -> nn.Module:
-    """``mlp`` whose Blocks checkpoint part of their own forward (``InnerCheckpointBlock``)."""
-    model = MLP(dim, depth, out)
-    model.blocks = nn.ModuleList(InnerCheckpointBlock(dim, checkpoint == "reentrant", late) for _ in range(depth))
+class OuterCheckpointMLP(MLP):
+    """``MLP`` whose forward also checkpoints each whole Block (reentrant): a Block that checkpoints
+    part of itself then runs nested backwards two deep."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True) if self.training else block(x)
+        return self.head(x)
+
+
+def inner_checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str = "reentrant", part: str = "early",
+                           outer: bool = False) -> nn.Module:
+    """``mlp`` whose Blocks checkpoint parts of their own forward (``InnerCheckpointBlock``);
+    ``outer``: the model checkpoints each whole Block too (``OuterCheckpointMLP``)."""
+    model = (OuterCheckpointMLP if outer else MLP)(dim, depth, out)
+    model.blocks = nn.ModuleList(InnerCheckpointBlock(dim, checkpoint == "reentrant", part) for _ in range(depth))
     return model
 
 

@@ -108,9 +108,9 @@ def test_stage_2_gathers_every_unit_at_once_and_both_stay_correct_when_the_order
     for seen in run_on_ranks(2, on_ranks_prefetch, 2, stage):
         # stage 2: the first block's pre_forward started every later block's gather; each block
         # then finds the rest gathered ahead. The first step has no trace, so nothing is gathered
-        # ahead (stage 1 holds every unit gathered from construction until the first step)
+        # ahead (stage 1's units too: each starts stale, so its first forward gathers it)
         assert [ahead for step, ahead in seen if step > 0] == (every if stage == 2 else one) * 2, seen
-        assert [ahead for step, ahead in seen if step == 0] == (every if stage == 1 else [[]] * 3), seen
+        assert [ahead for step, ahead in seen if step == 0] == [[]] * 3, seen
     for seen in run_on_ranks(2, on_ranks_prefetch, 1, stage):  # max_unsharded=1: no prefetch at all
         assert all(ahead == [] for step, ahead in seen if step > 0), seen
     for seen in run_on_ranks(2, on_ranks_prefetch, 2, stage, False):  # the old schedule: one ahead

@@ -126,7 +126,14 @@ def run(nnodes: int, *args: str, timeout: float = 240) -> str:
     """Train to the end on 4 ranks: ``nnodes`` agents of 4 / nnodes ranks; rank 0's output."""
     nodes = start(nnodes, *args)
     try:
-        rcs = [node.finish(timeout) for node in nodes]
+        try:
+            rcs = [node.finish(timeout) for node in nodes]
+        except subprocess.TimeoutExpired:  # say where each node stopped
+            for node in nodes:
+                node.kill()
+                node.reader.join(timeout=10)
+            tails = "\n".join(f"node {i}:\n{n.output[-3000:]}" for i, n in enumerate(nodes))
+            raise AssertionError(f"training on {nnodes} agent(s) did not end within {timeout} s:\n{tails}") from None
         assert rcs == [0] * nnodes, "\n".join(f"node {i} exit {rc}:\n{n.output[-4000:]}" for i, (n, rc) in enumerate(zip(nodes, rcs)))
         return nodes[0].output
     finally:

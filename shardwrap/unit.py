@@ -420,13 +420,13 @@ class Unit:
         # (views, graph task) pairs whose split a running backward will still execute; and whether a
         # release waits for the outermost backward (it came up inside a nested one); the views of
         # the forward calls whose outputs need a gradient, since the last backward, and the graph
-        # task and calls pre_backward has looked at
+        # task for which pre_backward has looked at them
         self._view_sets = 0
         self._forward_views: _Views | None = None
         self._awaited: list[tuple[int, int]] = []
         self.release_due = False
         self._calls: list[_Views] = []
-        self._calls_task, self._considered = -1, set[int]()
+        self._calls_task = -1
         # Such a call since the last backward that reduced: a reentrant checkpoint may recompute the
         # unit in backward on the ranks whose loss reached its output only, so every rank reduces it
         # at the end of that backward (design/notes/activation-checkpointing.md, "Recomputed on some ranks")
@@ -838,16 +838,17 @@ class Unit:
         root = self._root
         root.begin_backward()
         task = torch._C._current_graph_task_id()
-        if task != self._calls_task:
-            self._calls_task, self._considered = task, set()
-        for call in (*self._calls, views):
-            # This backward reads each call's views until their split runs (not so where the call
-            # used them under no_grad only: HF checkpoints the layer's forward). Every call's, not
-            # only this one's: the calls whose gradient comes later must not find the unit freed.
-            if call is not None and call.number not in self._considered:
-                self._considered.add(call.number)
-                if torch._C._will_engine_execute_node(call.split):
-                    self._awaited.append((call.number, task))
+        # This backward reads each call's views until their split runs (not so where the call used
+        # them under no_grad only: HF checkpoints the layer's forward). Every call's, at the unit's
+        # first pre_backward in this backward, not only this one's: the calls whose gradient comes
+        # later must not find the unit freed. A call a finished backward cleared is this one's own.
+        new = list(self._calls) if task != self._calls_task else []
+        self._calls_task = task
+        if views is not None and not any(call is views for call in self._calls):
+            new.append(views)
+        for call in new:
+            if torch._C._will_engine_execute_node(call.split):
+                self._awaited.append((call.number, task))
         if task == root.outer_task:
             root.release_due_units()  # the nested backwards that ran before this are over
         self._gather_for_backward()
@@ -982,15 +983,15 @@ class Unit:
         """Backward is done with the gathered parameters: the slots get the shards back (a
         recomputation left views there) and stages 2 and 3 free them."""
         self.release_due = False
-        self._install_sharded_params()
-        if self.stage.reshard_after_backward and self.data_state is DataState.UNSHARDED:
-            self.reshard()
+        if self.stage.reshard_after_backward:
+            self.reshard()  # the slots first
+        else:
+            self._install_sharded_params()
 
     def end_backward(self) -> None:
         """The end of backward: views of forward calls whose outputs got no gradient are not
         waited for."""
-        self._awaited, self.release_due, self._calls = [], False, []
-        self._calls_task, self._considered = -1, set()
+        self._awaited, self.release_due, self._calls, self._calls_task = [], False, [], -1
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -1204,8 +1205,8 @@ class Unit:
             finish(reduction.replica_work)
         self._packed = None
         self._reentered = 0
-        self._awaited, self.release_due, self._forward_views, self._calls = [], False, None, []
-        self._calls_task, self._considered = -1, set()
+        self._forward_views = None
+        self.end_backward()
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
         self._used_here = [False] * len(self._grad_used)

@@ -173,6 +173,37 @@ def test_ranks_running_different_units_get_an_error_not_a_hang():
         assert "ranks disagree" in message and "'left'" in message and "'right'" in message, message
 
 
+class ManyUnits(nn.Module):
+    """More units than bf16 counts exactly (integers up to 256): rank 0 runs unit 300 and rank 1
+    unit 301, whose indices round to the same bf16 number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(302))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[300 + dist.get_rank()](x)
+
+
+def on_ranks_diverging_past_256_units_in_bf16(dtype: torch.dtype) -> str:
+    from shardwrap import MixedPrecision, ShardedModule
+
+    model = ShardedModule(ManyUnits(), auto_wrap_policy={nn.Linear}, mixed_precision=MixedPrecision(param_dtype=dtype))
+    try:
+        model(torch.randn(2, 2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ranks_running_different_units_are_told_apart_past_what_a_16_bit_float_counts(dtype: torch.dtype):
+    # the gather's own tag travels in the parameter dtype, where units 300 and 301 are the same
+    # bf16 number; the header exchange before it carries the index as an int64 and tells them apart
+    for message in run_on_ranks(2, on_ranks_diverging_past_256_units_in_bf16, dtype, timeout=120):
+        assert "ranks disagree" in message and "'blocks.300'" in message and "'blocks.301'" in message, message
+
+
 def on_ranks_reach_into_unit() -> str:
     return runtime_error_of(models.ReachesIntoUnit, lambda model: model(torch.randn(4, 16)).sum().backward())
 

@@ -100,6 +100,19 @@ def test_cuda_check_plumbing_runs_on_cpu():
 
 
 
+def test_hook_time_plumbing_runs_on_cpu():
+    """benchmarks/hook_time.py is for a GPU session (where backward's hooks run on autograd's
+    device thread); here it runs on gloo and must time shardwrap's hooks, so that the timers
+    still find the functions they wrap."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "benchmarks/hook_time.py", "--device", "cpu", "--steps", "11", "--top", "60"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("== fully_shard:") == 2 and out.stdout.count("== shardwrap s3:") == 2, out.stdout
+    for name in ("Unit.pre_backward", "Unit.post_backward", "collectives.reduce_scatter"):
+        assert re.search(rf"{re.escape(name)} +\d+\.\d+ ms a backward +3\.0 calls", out.stdout), (name, out.stdout)
+
+
 def test_offload_cuda_plumbing_runs_on_cpu():
     """benchmarks/offload_cuda.py is run by hand on a GPU machine; here its timing and loss checks
     run on gloo (host-to-host copies), so that it does not rot between GPU sessions. SGD with

@@ -725,7 +725,10 @@ class Unit:
             raise RuntimeError(
                 f"rank {collectives.rank()}: parameter '{fqn}' of unit '{unit}' was used outside that "
                 f"unit's forward (autograd reached its local shard). Read a unit's parameters only inside "
-                f"its own forward, or let auto_wrap_policy put the code that reads it in the same unit"
+                f"its own forward, or let auto_wrap_policy put the code that reads it in the same unit. "
+                f"For a penalty over model.parameters() added to the loss (an L2 term), use the "
+                f"optimizer's weight_decay (SGD's and Adam's add that term's gradient), or compute the "
+                f"term inside the units' forwards"
             )
 
         return used_outside

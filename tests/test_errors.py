@@ -204,6 +204,30 @@ def test_ranks_running_different_units_are_told_apart_past_what_a_16_bit_float_c
         assert "ranks disagree" in message and "'blocks.300'" in message and "'blocks.301'" in message, message
 
 
+def on_ranks_l2_penalty_outside_forward(stage: int) -> str:
+    from torch.distributed.tensor import DTensor
+
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    penalty = sum(p.pow(2).sum() for p in model.parameters())  # a DTensor: its sum over every rank
+    assert isinstance(penalty, DTensor)
+    try:
+        (model(torch.randn(4, 16)).pow(2).mean() + 1e-2 * penalty.full_tensor()).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_l2_penalty_over_the_sharded_parameters_is_refused_with_what_to_do(stage):
+    # autograd reaches the local shards directly, outside every unit's reduction (fully_shard
+    # fails on the same code with "mixed torch.Tensor and DTensor")
+    for message in run_on_ranks(2, on_ranks_l2_penalty_outside_forward, stage):
+        assert "used outside that unit's forward" in message and "weight_decay" in message, message
+
+
 def on_ranks_reach_into_unit() -> str:
     return runtime_error_of(models.ReachesIntoUnit, lambda model: model(torch.randn(4, 16)).sum().backward())
 

@@ -1171,7 +1171,8 @@ class ShardedModule(nn.Module):
                 f"forward, while unit '{running[-1] if running else '<root>'}' ran. A unit's parameters are "
                 f"full tensors only inside that unit's forward: read them there, let auto_wrap_policy put "
                 f"the code that reads them in the same unit, or, for a method of the unit's module other than "
-                f"forward, call model.register_forward_method(name, module=...) once after wrapping ({exc})"
+                f"forward, call model.register_forward_method(name, module=...) once after wrapping. For a penalty "
+                f"over the parameters added to the loss (an L2 term), use the optimizer's weight_decay ({exc})"
             ) from exc
         finally:
             self._in_call = previous

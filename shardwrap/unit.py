@@ -893,7 +893,10 @@ class Unit:
 
     def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
         if leaf.grad is not None and leaf.grad.requires_grad:
-            leaf.grad = leaf.grad.detach()  # no graph stays in the buffer: the next forward's cleanup zeroes it
+            # Drop it, with whatever no_sync had accumulated (as after any failed backward): stage 1
+            # keeps this buffer between steps, and autograd's create_graph sum is a new tensor
+            # anyway, which the next step's gradient would have been added to
+            leaf.grad = None
             raise RuntimeError(
                 f"rank {collectives.rank()}: shardwrap: unit '{self.name}' got a gradient that itself requires "
                 f"grad: a backward with create_graph=True computed the parameters' gradients "

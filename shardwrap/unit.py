@@ -419,13 +419,15 @@ class Unit:
         # leads, out of the garbage collector's sight, to the leaf whose hook holds this unit); the
         # (views, graph task) pairs whose split a running backward will still execute; and whether a
         # release waits for the outermost backward (it came up inside a nested one); the views of
-        # the forward calls whose outputs need a gradient, since the last backward, and the graph
-        # task for which pre_backward has looked at them
+        # the forward calls whose outputs need a gradient, since the last backward (weakly: each
+        # call's outputs' graph holds its views through the pre_backward hook, so the views of
+        # outputs that were dropped without a backward go with their graph), and the graph task
+        # for which pre_backward has looked at them
         self._view_sets = 0
         self._forward_views: _Views | None = None
         self._awaited: list[tuple[int, int]] = []
         self.release_due = False
-        self._calls: list[_Views] = []
+        self._calls: list[weakref.ref[_Views]] = []
         self._calls_task = -1
         # Such a call since the last backward that reduced: a reentrant checkpoint may recompute the
         # unit in backward on the ranks whose loss reached its output only, so every rank reduces it
@@ -804,7 +806,8 @@ class Unit:
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
             if views is not None:
-                self._calls.append(views)
+                self._calls = [call for call in self._calls if call() is not None]
+                self._calls.append(weakref.ref(views))
             root.schedule.record_post_forward(self)
             root._expect_backward = True
         elif module.training and not torch.is_grad_enabled():
@@ -845,9 +848,10 @@ class Unit:
         # them under no_grad only: HF checkpoints the layer's forward). Every call's, at the unit's
         # first pre_backward in this backward, not only this one's: the calls whose gradient comes
         # later must not find the unit freed. A call a finished backward cleared is this one's own.
-        new = list(self._calls) if task != self._calls_task else []
+        calls = [view_set for call in self._calls if (view_set := call()) is not None]
+        new = calls if task != self._calls_task else []
         self._calls_task = task
-        if views is not None and not any(call is views for call in self._calls):
+        if views is not None and not any(call is views for call in calls):
             new.append(views)
         for call in new:
             if torch._C._will_engine_execute_node(call.split):

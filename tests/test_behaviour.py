@@ -135,19 +135,23 @@ def on_ranks_forward_only(case: Case) -> dict:
     for i in range(5):
         model(x)  # grad-enabled training forwards with no backward (yet)
         unsharded[f"train_{i}"] = unsharded_units()
+    records = max(len(h._calls) for h in model.units)  # the forward calls a backward may still reach
     unsharded_bytes = sum(h.unsharded_buffer.untyped_storage().nbytes() for h in model.units)
     largest = [h.layout.padded_unsharded_numel * 4 for h in model.units]
     # Then a normal step still works.
     model(x).pow(2).mean().backward()
     grads = all(p.grad is not None for p in model.parameters())
     unsharded["after_backward"] = unsharded_units()
-    return {"unsharded": unsharded, "unsharded_bytes": unsharded_bytes, "sizes": largest, "grads": grads, "outs": outs}
+    return {"unsharded": unsharded, "unsharded_bytes": unsharded_bytes, "sizes": largest, "grads": grads, "outs": outs,
+            "records": records}
 
 
 def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
     """No-grad and eval forwards leave every unit sharded. A training forward keeps the root
     unsharded, and from its second step the unit that ended the last forward: backward gathers
-    those two first (design/notes/prefetch.md). Nothing else stays, however many forwards run."""
+    those two first (design/notes/prefetch.md). Nothing else stays, however many forwards run,
+    and no unit keeps a record of a forward whose outputs were dropped (it kept one per forward,
+    about 2 KB each, until the next backward: a grad-enabled evaluation loop grew without bound)."""
     case = Case("mlp", policy="Block")
     reference = build_model(case)
     x = global_batch(case, 0)["x"]
@@ -160,6 +164,7 @@ def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
         assert all(u[f"train_{i}"] == ["<root>", "blocks.2"] for i in range(5)), u
         assert r["unsharded_bytes"] == r["sizes"][0] + r["sizes"][-1], r
         assert r["grads"], r
+        assert r["records"] <= 1, r  # at most the last forward's, not yet pruned
         for out in r["outs"].values():
             torch.testing.assert_close(out, expected)
 

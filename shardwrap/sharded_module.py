@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -278,6 +279,39 @@ def _show_inner_signature(wrapper: nn.Module, inner: nn.Module) -> None:
     forward = functools.partial(type(wrapper).forward, wrapper)  # a subclass's forward, if it has one
     setattr(forward, "__signature__", signature)
     wrapper.__dict__["forward"] = forward
+
+
+# One class per (wrapper class, wrapped model class): see _class_showing_signature
+_SIGNATURE_CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
+
+
+def _class_showing_signature(wrapper: type[nn.Module], inner: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of ``wrapper`` whose ``forward`` has ``inner.forward``'s signature, named
+    ``wrapper[inner]``. Hugging Face reads the model's *class*: ``Trainer`` takes its
+    ``label_names`` from ``find_labels(type(model))`` and decides whether ``forward`` can return
+    the loss with ``can_return_loss(type(model))``, both from ``inspect.signature(cls.forward)``
+    (and a question-answering model's labels from the class name). With ``(*args, **kwargs)``
+    there, ``evaluate()`` returned no loss and ``predict()`` no labels, silently; ``fully_shard``
+    gets this right by swapping in a subclass of the model's class. The class's ``forward`` is a
+    copy of ``wrapper.forward`` (the same code object, so no extra frame for Dynamo to trace)."""
+    key = (wrapper, inner)
+    made = _SIGNATURE_CLASSES.get(key)
+    if made is not None:
+        return made
+    base = wrapper.forward
+    try:
+        signature = inspect.signature(inner.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+        return wrapper
+    if not isinstance(base, types.FunctionType):  # a subclass's forward that is not a plain function
+        return wrapper
+    forward = types.FunctionType(base.__code__, base.__globals__, base.__name__, base.__defaults__, base.__closure__)
+    forward.__kwdefaults__, forward.__qualname__, forward.__doc__ = base.__kwdefaults__, base.__qualname__, base.__doc__
+    forward.__module__ = base.__module__
+    setattr(forward, "__signature__", signature)
+    name = f"{wrapper.__name__}[{inner.__name__}]"
+    made = _SIGNATURE_CLASSES[key] = type(name, (wrapper,), {"forward": forward, "__module__": wrapper.__module__, "__qualname__": name})
+    return made
 
 
 def _check_unit_tensors(units: list[_UnitPlan], *, meta_ok: bool = False) -> torch.device:
@@ -917,6 +951,7 @@ class ShardedModule(nn.Module):
                     for name, buf in sub._buffers.items():
                         if buf is not None and buf.is_floating_point():
                             sub._buffers[name] = buf.to(self.mixed_precision.buffer_dtype)
+        object.__setattr__(self, "__class__", _class_showing_signature(type(self), type(module)))
         _show_inner_signature(self, module)
         _warn_shadowed_names(self, module)
         if type(self).__init__ is ShardedModule.__init__:  # a subclass's __init__ sets it when it returns

@@ -219,6 +219,69 @@ def test_save_pretrained_refuses_shards_and_round_trips_full_weights(tmp_path):
         assert r["same"]
 
 
+class ReturnsLoss(nn.Module):
+    """A model whose forward can return its loss (``can_return_loss`` looks for this default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None, return_loss: bool = True) -> torch.Tensor:
+        return self.lin(x)
+
+
+def hf_eval_dataset() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(5))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def trainer_evaluate(model: nn.Module, out: str) -> dict:
+    """HF Trainer's evaluate() and predict(), no training: what they read from the model's class."""
+    import warnings
+
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True, per_device_eval_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args)
+        metrics = trainer.evaluate(eval_dataset=hf_eval_dataset())
+        predicted = trainer.predict(hf_eval_dataset())
+    return {"label_names": trainer.label_names, "eval_loss": metrics.get("eval_loss"),
+            "label_ids": None if predicted.label_ids is None else tuple(predicted.label_ids.shape)}
+
+
+def on_ranks_hf_classes(out: str) -> dict:
+    from transformers import BertConfig, BertForQuestionAnswering
+    from transformers.utils.generic import can_return_loss, find_labels
+
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    gpt2 = ShardedModule(models.gpt2(), auto_wrap_policy={models.gpt2_block_class()})
+    qa = ShardedModule(BertForQuestionAnswering(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                           num_attention_heads=2, intermediate_size=16)))
+    returns = ShardedModule(ReturnsLoss())
+    return {"labels": find_labels(type(gpt2)), "qa_labels": find_labels(type(qa)),
+            "returns_loss": (can_return_loss(type(returns)), can_return_loss(type(gpt2))),
+            "same_class": type(gpt2) is type(ShardedModule(models.gpt2(), auto_wrap_policy={models.gpt2_block_class()})),
+            **trainer_evaluate(gpt2, out)}
+
+
+def test_hugging_face_reads_the_wrapped_models_labels_from_the_class(tmp_path):
+    # Trainer takes label_names and can_return_loss from type(model).forward's signature; with
+    # ShardedModule's (*args, **kwargs) there, evaluate() gave no eval_loss and predict() no
+    # label_ids, silently (fully_shard gives both)
+    torch.manual_seed(0)
+    want = trainer_evaluate(models.gpt2(), str(tmp_path / "one"))
+    assert want["label_names"] == ["labels"] and want["label_ids"] == (8, 16), want
+    for r in run_on_ranks(2, on_ranks_hf_classes, str(tmp_path / "wrapped")):
+        assert r["labels"] == ["labels"] and r["qa_labels"] == ["start_positions", "end_positions"], r
+        assert r["returns_loss"] == (True, False) and r["same_class"], r
+        assert r["label_names"] == want["label_names"] and r["label_ids"] == want["label_ids"], r
+        assert r["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6), r
+
+
 def test_overridden_module_methods_keep_torch_signatures():
     from shardwrap import ShardedModule
 

@@ -97,7 +97,40 @@ def key_problems(
 
 
 def _problems(sd: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], strict: bool) -> list[str]:
-    return key_problems(shapes_of(sd), expected, strict)
+    return key_problems(shapes_of(sd), expected, strict) + foreign_shard_problems(sd)
+
+
+def saved_on_another_rank(value: DTensor) -> int | None:
+    """The rank that saved ``value``, where that is not this process and ``value`` holds a shard.
+
+    A pickled DTensor keeps its mesh's rank and coordinate: ``torch.save(model.state_dict())`` on
+    rank 0 alone, then ``torch.load`` on every rank (accelerate's ``save_state``/``load_state`` with
+    the model registered), gives every rank a DTensor that says it is rank 0's shard. Loaded as this
+    rank's shard it trains silently on another rank's values (``fully_shard`` too). A replicated
+    value is whole on every rank, so it is fine wherever it was saved."""
+    if all(p.is_replicate() for p in value.placements):
+        return None
+    mesh = value.device_mesh
+    said = mesh.get_coordinate()
+    here = (mesh.mesh == collectives.rank()).nonzero()
+    actual = tuple(here[0].tolist()) if len(here) else None
+    if (tuple(said) if said is not None else None) == actual:
+        return None
+    return int(mesh.mesh[tuple(said)].item()) if said is not None else -1
+
+
+def foreign_shard_problems(sd: Mapping[str, Any], what: str = "state dict") -> list[str]:
+    foreign = {k: r for k, v in sd.items() if isinstance(v, DTensor) and (r := saved_on_another_rank(v)) is not None}
+    if not foreign:
+        return []
+    saver = next(iter(foreign.values()))
+    return [
+        f"the {what}'s DTensors {listed(list(foreign))} are rank {saver}'s shards, loaded on rank {collectives.rank()} "
+        f"(torch.save(model.state_dict()) on one rank, then torch.load on every rank, as accelerate's save_state "
+        f"does with the model registered): every rank would train on rank {saver}'s values. Save with "
+        f"shardwrap.save_checkpoint or torch.distributed.checkpoint (each rank writes its own shards), or save "
+        f"model.full_state_dict() (full tensors load on every rank)"
+    ]
 
 
 def agreed_problems(model: "ShardedModule", problems: list[str]) -> list[str]:
@@ -542,6 +575,8 @@ def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, o
     if not problems:  # the groups pair up: each parameter's name is its entry's key
         names = [n for group in _group_names(model, opt) for n in group]
         problems += coverage_problems(opt, osd["param_groups"], _state_keys(known), lambda i: names[i], lambda n: f"'{n}'")
+    flat = {f"{n}.{k}": v for n, entry in known.items() if isinstance(entry, Mapping) for k, v in entry.items()}
+    problems += foreign_shard_problems(flat, "optimizer state dict")
     return problems + _state_shape_problems(known, lambda n: tuple(index[n][1].full_shape), lambda n: f"'{n}'")
 
 

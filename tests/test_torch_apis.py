@@ -282,6 +282,54 @@ def test_hugging_face_reads_the_wrapped_models_labels_from_the_class(tmp_path):
         assert r["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6), r
 
 
+def on_ranks_saved_by_one_rank(path: str) -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block})
+    rank = dist.get_rank()
+    before = model.full_state_dict(rank0_only=False)
+    full = model.full_state_dict()  # a collective: every rank calls it, rank 0 gets the tensors
+    if rank == 0:  # the naive pattern, and accelerate's save_state with the model registered
+        torch.save(model.state_dict(), f"{path}.shared")
+        torch.save(full, f"{path}.full")
+    torch.save(model.state_dict(), f"{path}.{rank}")  # each rank its own shards
+    dist.barrier()
+    try:
+        model.load_state_dict(torch.load(f"{path}.shared", weights_only=True))
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.full_state_dict(rank0_only=False).items())
+    model.load_state_dict(torch.load(f"{path}.{rank}", weights_only=True))  # its own: fine
+    model.load_state_dict(torch.load(f"{path}.full", weights_only=True))  # full tensors: fine
+    model.load_state_dict(model.state_dict())  # in memory: fine
+    same = all(torch.equal(v, before[k]) for k, v in model.full_state_dict(rank0_only=False).items())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    osd = model.sharded_optim_state_dict(opt)
+    if rank == 0:
+        torch.save(osd, f"{path}.optim")
+    dist.barrier()
+    try:
+        model.load_sharded_optim_state_dict(opt, torch.load(f"{path}.optim", weights_only=True))
+        optim_refused = "no error"
+    except ValueError as exc:
+        optim_refused = str(exc)
+    model.load_sharded_optim_state_dict(opt, osd)  # its own, in memory: fine
+    return {"refused": refused, "unchanged": unchanged, "same": same, "optim_refused": optim_refused}
+
+
+def test_a_sharded_state_dict_saved_by_one_rank_is_refused_on_every_rank(tmp_path):
+    # rank 1 loaded rank 0's shards as its own, silently (fully_shard does the same); the pickled
+    # mesh remembers the rank that saved it
+    for r in run_on_ranks(2, on_ranks_saved_by_one_rank, str(tmp_path / "sd.pt")):
+        assert "rank 0's shards, loaded on rank 1" in r["refused"] and "full_state_dict()" in r["refused"], r
+        assert r["unchanged"] and r["same"], r
+        assert "optimizer state dict's DTensors" in r["optim_refused"] and "rank 0's shards" in r["optim_refused"], r
+
+
 def test_overridden_module_methods_keep_torch_signatures():
     from shardwrap import ShardedModule
 

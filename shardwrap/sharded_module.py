@@ -1034,6 +1034,13 @@ class ShardedModule(nn.Module):
         return True  # ``if model:`` must not ask for a length a model without one lacks
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if not self._in_call and torch._C._current_graph_task_id() == -1:
+            # No forward or backward runs, yet a unit may still have the gathered views in its
+            # slots: its forward or backward raised, and the next forward cleans up. The sharded
+            # parameters go back first, so a new optimizer (or clipping) gets them, not views.
+            for unit in self._units:
+                if unit.training_state is not TrainingState.IDLE:
+                    unit.show_sharded_params()
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1639,6 +1646,11 @@ class ShardedModule(nn.Module):
     def _check_idle(self, what: str) -> None:
         self.refuse_out_of_step(what)
         if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
+            if not self._in_call and torch._C._current_graph_task_id() == -1:
+                # Nothing runs: the last forward or backward raised (a save in an except block
+                # after a failed step). Clean up as the next forward would, with its warning.
+                self._recover()
+                return
             raise RuntimeError(f"rank {collectives.rank()}: {what} called during forward or backward; call it between steps")
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]

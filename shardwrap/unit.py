@@ -1339,6 +1339,11 @@ class Unit:
         """The slots hold the sharded parameters again (after a recomputation that stopped early)."""
         self._install_sharded_params()
 
+    def show_sharded_params(self) -> None:
+        """The slots get the sharded parameters back, and nothing else changes: after a forward or
+        backward that raised, until the next forward cleans up (``ShardedModule.named_parameters``)."""
+        self._install_sharded_params()
+
     def _install_sharded_params(self) -> None:
         """Point every slot back at its sharded parameter (what the optimizer and users see)."""
         for param, slots in zip(self.sharded_params, self.slots):

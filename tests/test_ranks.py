@@ -137,15 +137,22 @@ def on_ranks_recover_after_exceptions(stage: int) -> dict:
     plain.blocks[1].register_forward_hook(failing_hook)
     model = ShardedModule(plain, auto_wrap_policy={models.Block}, stage=stage)
     opt = build_optimizer(RECOVER, model)
+    shown, saved = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(RECOVER.steps):
             batch = {k: v.chunk(world)[rank] for k, v in global_batch(RECOVER, step).items()}
             if not failing_step(model, batch, PLAN.get(step)):
                 opt.step()
+            else:
+                # the sharded parameters, not the gathered views the failed step left in the slots
+                # (a new optimizer over them raised torch's "can't optimize a non-leaf Tensor")
+                shown.append(all(isinstance(p, DTensor) and p.is_leaf for p in model.parameters()))
+                if step == 5:  # a save in the except block: it cleans up as the next forward would
+                    saved.append(all(isinstance(v, DTensor) for k, v in model.state_dict().items() if "weight" in k))
             opt.zero_grad()
     warned = [str(w.message) for w in caught if "raised before it finished" in str(w.message)]
-    return {"full": model.full_state_dict(), "warned": warned}
+    return {"full": model.full_state_dict(), "warned": warned, "shown": shown, "saved": saved}
 
 
 def reference_skipping_failed_steps() -> dict:
@@ -170,6 +177,7 @@ def test_a_step_that_raised_is_skipped_and_training_goes_on(stage):
     for name, value in expected.items():
         assert_close_params(full[name], value, "sgd", RECOVER.steps, name)
     for r in results:  # the forward, the first backward, the second backward (the loss leaves nothing)
+        assert r["shown"] == [True] * len(PLAN) and r["saved"] == [True], r
         assert len(r["warned"]) == 3, r["warned"]
         assert "previous forward" in r["warned"][0] and "previous backward" in r["warned"][1], r["warned"]
 

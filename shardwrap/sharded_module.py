@@ -1008,7 +1008,9 @@ class ShardedModule(nn.Module):
             "DistributedDataParallel(ShardedModule): the model is already data parallel, and DDP would "
             "overwrite every rank's shards with rank 0's. Train the ShardedModule as it is; for DDP's "
             "memory behaviour with sharded optimizer state use stage=1 (or stage=2 to shard gradients too); "
-            "with Lightning use strategy='shardwrap_stage_1' / '_2' / '_3' (import shardwrap.lightning)"
+            "with Lightning use strategy='shardwrap_stage_1' / '_2' / '_3' (import shardwrap.lightning); "
+            "with accelerate, pass accelerator.prepare() the optimizer, data loaders and scheduler but not "
+            "the model (prepare wraps a model in DDP, and so does Hugging Face's Trainer.train())"
         )
 
     # ---- the original names -------------------------------------------------------------------

@@ -1565,7 +1565,7 @@ class ShardedModule(nn.Module):
         Padding is never part of a gradient view, so it never counts. A NaN or inf gradient on any
         rank gives a NaN or inf norm on every rank.
         """
-        self._check_idle("clip_grad_norm_")
+        self.check_between_steps("clip_grad_norm_")
         if not all(u.grad_settled for u in self._units):
             raise RuntimeError(
                 "clip_grad_norm_: gradients accumulated under no_sync() are not reduced yet; run the "
@@ -1645,14 +1645,21 @@ class ShardedModule(nn.Module):
                 f"restart from the last checkpoint. The first error was: {first}"
             )
 
-    def _check_idle(self, what: str) -> None:
+    def check_between_steps(self, what: str) -> None:
+        """Refuse ``what`` during a forward or backward, and after one that raised until the next
+        forward has cleaned up; every entry point that issues collectives calls this before its
+        first one (a save in an ``except`` block on one rank would otherwise pair its collectives
+        with a peer's that is still inside the step: gloo aborts the process)."""
         self.refuse_out_of_step(what)
         if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
             if not self._in_call and torch._C._current_graph_task_id() == -1:
-                # Nothing runs: the last forward or backward raised (a save in an except block
-                # after a failed step). Clean up as the next forward would, with its warning.
-                self._recover()
-                return
+                # Nothing runs: the last forward or backward raised. Not cleaned up here: a peer may
+                # still be inside that step, and this call's collectives would pair with its own
+                raise RuntimeError(
+                    f"rank {collectives.rank()}: {what} after a forward or backward that raised before it "
+                    f"finished: the next forward cleans up, on every rank, and then {what} works. Called "
+                    f"now, its collectives could pair with a peer's that is still inside that step"
+                )
             raise RuntimeError(f"rank {collectives.rank()}: {what} called during forward or backward; call it between steps")
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
@@ -1660,7 +1667,7 @@ class ShardedModule(nn.Module):
 
         Built from views of the local shards: no communication.
         """
-        self._check_idle("state_dict")
+        self.check_between_steps("state_dict")
         return _sd.sharded_state_dict(self, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
@@ -1669,7 +1676,7 @@ class ShardedModule(nn.Module):
         Every key and shape is checked first, on every rank; a bad dict (on any rank) raises one
         error listing the problems on every rank and changes nothing.
         """
-        self._check_idle("load_state_dict")
+        self.check_between_steps("load_state_dict")
         missing, unexpected = _sd.load_sharded_or_full(self, state_dict, strict)
         return _IncompatibleKeys(missing, unexpected)
 
@@ -1679,35 +1686,35 @@ class ShardedModule(nn.Module):
         With ``rank0_only`` the other ranks return ``{}``. The keys are exactly those of the
         unwrapped model's ``state_dict()``, tied names and buffers included.
         """
-        self._check_idle("full_state_dict")
+        self.check_between_steps("full_state_dict")
         return _sd.full_state_dict(self, rank0_only, cpu_offload)
 
     def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> Any:
         """Load a full state dict that the mesh's first rank holds (the other ranks pass ``{}``),
         scattering it unit by unit. Returns ``(missing_keys, unexpected_keys)`` on every rank, as
         ``nn.Module.load_state_dict`` does; keys and shapes are checked before anything is written."""
-        self._check_idle("load_full_state_dict")
+        self.check_between_steps("load_full_state_dict")
         missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
         return _IncompatibleKeys(missing, unexpected)
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:
         full state tensors, indexed like a plain optimizer, param_groups unchanged."""
-        self._check_idle("full_optim_state_dict")
+        self.check_between_steps("full_optim_state_dict")
         return _sd.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load a full optimizer state dict held by the mesh's first rank, at any world size."""
-        self._check_idle("load_full_optim_state_dict")
+        self.check_between_steps("load_full_optim_state_dict")
         _sd.load_full_optim_state_dict(self, optimizer, osd)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Optimizer state as ``DTensor(Shard(0))`` keyed by original parameter name, for
         ``torch.distributed.checkpoint``."""
-        self._check_idle("sharded_optim_state_dict")
+        self.check_between_steps("sharded_optim_state_dict")
         return _sd.sharded_optim_state_dict(self, optimizer)
 
     def load_sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load what ``sharded_optim_state_dict`` gave, resharding when the world size differs."""
-        self._check_idle("load_sharded_optim_state_dict")
+        self.check_between_steps("load_sharded_optim_state_dict")
         _sd.load_sharded_optim_state_dict(self, optimizer, osd)

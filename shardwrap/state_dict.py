@@ -108,15 +108,16 @@ def saved_on_another_rank(value: DTensor) -> int | None:
     the model registered), gives every rank a DTensor that says it is rank 0's shard. Loaded as this
     rank's shard it trains silently on another rank's values (``fully_shard`` too). A replicated
     value is whole on every rank, so it is fine wherever it was saved."""
-    if all(p.is_replicate() for p in value.placements):
-        return None
     mesh = value.device_mesh
+    split = [d for d, p in enumerate(value.placements) if not p.is_replicate() and mesh.size(d) > 1]
+    if not split:  # replicated, or sharded over one rank: the whole value wherever it was saved
+        return None
     said = mesh.get_coordinate()
     here = (mesh.mesh == collectives.rank()).nonzero()
     actual = tuple(here[0].tolist()) if len(here) else None
-    if (tuple(said) if said is not None else None) == actual:
-        return None
-    return int(mesh.mesh[tuple(said)].item()) if said is not None else -1
+    if said is None or (actual is not None and all(said[d] == actual[d] for d in split)):
+        return None  # a hybrid mesh's replicas hold the same shards: only the sharded dimensions count
+    return int(mesh.mesh[tuple(said)].item())
 
 
 def foreign_shard_problems(sd: Mapping[str, Any], what: str = "state dict") -> list[str]:

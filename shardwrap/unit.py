@@ -121,6 +121,10 @@ class _Views:
     split: torch.autograd.graph.Node
 
 
+def _keep_alive(views: "_Views", *grads: object) -> None:
+    """A no-op node pre-hook whose only job is to hold ``views`` for as long as the node lives."""
+
+
 def _weak(method: Callable[..., None], *first: Any) -> Callable[..., None]:
     """``method`` without a strong reference to its object (called with ``first`` before the
     hook's own arguments).
@@ -419,9 +423,9 @@ class Unit:
         # leads, out of the garbage collector's sight, to the leaf whose hook holds this unit); the
         # (views, graph task) pairs whose split a running backward will still execute; and whether a
         # release waits for the outermost backward (it came up inside a nested one); the views of
-        # the forward calls whose outputs need a gradient, since the last backward (weakly: each
-        # call's outputs' graph holds its views through the pre_backward hook, so the views of
-        # outputs that were dropped without a backward go with their graph), and the graph task
+        # the forward calls whose outputs need a gradient, since the last backward (weakly: the
+        # grad_fn of every view a call installed holds them, and so does the hook on its outputs,
+        # so a call whose graph was dropped without a backward goes with it), and the graph task
         # for which pre_backward has looked at them
         self._view_sets = 0
         self._forward_views: _Views | None = None
@@ -1274,6 +1278,7 @@ class Unit:
         views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
         view_node = views[0].grad_fn if views and self.layout.num_trainable else None
         split = view_node.next_functions[0][0] if view_node is not None else None
+        installed: _Views | None = None
         if split is not None:
             # The split node that turns the views' gradients into the flat gradient sees which
             # views got one: a parameter no rank's forward used keeps p.grad None
@@ -1284,16 +1289,25 @@ class Unit:
             # gradient"), or give the slots back (stage 1)
             self._view_sets += 1
             split.register_prehook(_weak(self._views_done, self._view_sets))
+            installed = _Views(self._view_sets, split)
+            keep = functools.partial(_keep_alive, installed)
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
+                else:
+                    # Every node that consumed this view leads to its grad_fn: while one lives, a backward
+                    # may still run through the split, and the forward call's record (held weakly in
+                    # _calls) must stay; once none does, the record goes with the graph
+                    node = views[i].grad_fn
+                    assert node is not None  # a view of the flat leaf, made in grad mode
+                    node.register_prehook(keep)
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
                 views[i] = slot.tp.view(views[i])
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
-        return _Views(self._view_sets, split) if split is not None else None
+        return installed
 
     def _check_slots(self) -> None:
         """Between forwards every slot holds its sharded parameter. One that holds something else

@@ -169,6 +169,68 @@ def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
             torch.testing.assert_close(out, expected)
 
 
+class SideLossBlock(nn.Module):
+    """Keeps a loss term of its own on the module (an MoE load-balancing loss, a feature captured
+    for distillation): its graph outlives the call's output."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        self.side = h.pow(2).mean()
+        return self.c(torch.tanh(h))
+
+
+class SideLossNet(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(dim, dim), SideLossBlock(dim), nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.inp(x)))
+
+
+def side_loss_training(model: nn.Module, block: nn.Module, rank: int | None, world: int) -> None:
+    """Two calls a step: the first call's output is dropped, its side loss is kept."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x1, x2 = torch.randn(2 * world, 8, generator=g), torch.randn(2 * world, 8, generator=g)
+        parts = range(world) if rank is None else [rank]
+        losses = []
+        for r in parts:
+            model(x1[2 * r : 2 * r + 2])  # output dropped
+            side = block.side
+            losses.append(model(x2[2 * r : 2 * r + 2]).pow(2).mean() + side)
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_side_loss(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(SideLossNet(), auto_wrap_policy={SideLossBlock}, stage=stage)
+    side_loss_training(model, model.module.block, dist.get_rank(), dist.get_world_size())
+    return model.full_state_dict(rank0_only=False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_dropped_output_whose_side_loss_is_kept_still_reaches_backward(stage):
+    # a forward call's record must live as long as any node that consumed its parameters: with the
+    # record held by the output's hook alone, stages 2 and 3 freed the unit before the first call's
+    # backward ("setStorage ... out of bounds", a review)
+    torch.manual_seed(0)
+    reference = SideLossNet()
+    side_loss_training(reference, reference.block, None, 2)
+    for got in run_on_ranks(2, on_ranks_side_loss, stage):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---- units unused on some ranks or on all ------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardwrap.unit import dtensor_over
@@ -60,6 +61,7 @@ def enter(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], A
         isinstance(p, DTensor) and owner[id(p)] is None for group in optimizer.param_groups for p in group["params"]
     ):
         return None  # nothing of ours, or DTensors of another kind beside them: the DTensor path
+    _refuse_another_ranks_state(optimizer, owner)
     if optimizer not in _HOOKED:  # whoever reads or loads the state between steps sees the DTensors
         optimizer.register_state_dict_pre_hook(_leave_before_state_dict)
         optimizer.register_load_state_dict_pre_hook(_leave_before_load)
@@ -143,6 +145,49 @@ def _local_grad(p: DTensor) -> torch.Tensor | None:
 
 def _leave_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
     leave(optimizer)
+
+
+# Meshes of loaded optimizer state (not the parameters' own objects) that place this process where
+# it is: their states need no second look. By identity: meshes compare equal by their ranks alone,
+# whatever coordinate they remember.
+_CHECKED_MESHES: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
+
+
+def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner: dict[int, Any]) -> None:
+    """Before the step changes anything: refuse state that is another rank's shard. torch's
+    ``Optimizer.load_state_dict`` of a ``state_dict()`` that one rank saved and every rank loaded
+    (accelerate's ``save_state``, or ``torch.save(opt.state_dict())`` on rank 0) gives every rank
+    rank 0's moments, silently; the pickled mesh still says whose they are
+    (design/notes/state-dicts.md, "Another rank's shards"). State the optimizer made itself lives
+    on the parameter's own mesh and is not looked at. Raised on the ranks holding such state only:
+    torch's load is no collective, so the others cannot be told; they meet the error as a lost peer
+    when this rank's process ends."""
+    from shardwrap.state_dict import saved_on_another_rank
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = owner[id(p)]
+            if unit is None:
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, DTensor):
+                    continue
+                mesh = value.device_mesh
+                if mesh is p.device_mesh or _CHECKED_MESHES.get(id(mesh)) is mesh:
+                    continue
+                saver = saved_on_another_rank(value)
+                if saver is None:
+                    _CHECKED_MESHES[id(mesh)] = mesh
+                    continue
+                name = unit.layout.slots[unit.sharded_params.index(p)].fqn
+                raise RuntimeError(
+                    f"rank {torch.distributed.get_rank()}: {type(optimizer).__name__} state '{key}' of parameter "
+                    f"'{name}' is rank {saver}'s shard: the optimizer's state_dict() was saved on one rank and "
+                    f"loaded on every rank (torch.save(opt.state_dict()) on rank 0, or accelerate's save_state), "
+                    f"so this rank would step with rank {saver}'s moments. Nothing was stepped. Resume from "
+                    f"shardwrap.save_checkpoint or torch.distributed.checkpoint, or save "
+                    f"model.full_optim_state_dict(opt) and load it with model.load_full_optim_state_dict"
+                )
 
 
 def _leave_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

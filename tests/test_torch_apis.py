@@ -318,16 +318,38 @@ def on_ranks_saved_by_one_rank(path: str) -> dict:
     except ValueError as exc:
         optim_refused = str(exc)
     model.load_sharded_optim_state_dict(opt, osd)  # its own, in memory: fine
-    return {"refused": refused, "unchanged": unchanged, "same": same, "optim_refused": optim_refused}
+    # torch's own optimizer state dict: each rank's own file steps; rank 0's on every rank is refused
+    # at the next step, on the ranks it does not belong to, before anything is stepped
+    torch.save(opt.state_dict(), f"{path}.opt{rank}")
+    if rank == 0:
+        torch.save(opt.state_dict(), f"{path}.opt")
+    dist.barrier()
+    opt.load_state_dict(torch.load(f"{path}.opt{rank}", weights_only=True))
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.load_state_dict(torch.load(f"{path}.opt", weights_only=True))
+    params = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    try:
+        opt.step()
+        torch_refused = "no error"
+    except RuntimeError as exc:
+        torch_refused = str(exc)
+    stepped = any(not torch.equal(p.detach().to_local(), params[n]) for n, p in model.named_parameters())
+    return {"refused": refused, "unchanged": unchanged, "same": same, "optim_refused": optim_refused,
+            "torch_refused": torch_refused, "stepped": stepped}
 
 
 def test_a_sharded_state_dict_saved_by_one_rank_is_refused_on_every_rank(tmp_path):
     # rank 1 loaded rank 0's shards as its own, silently (fully_shard does the same); the pickled
     # mesh remembers the rank that saved it
-    for r in run_on_ranks(2, on_ranks_saved_by_one_rank, str(tmp_path / "sd.pt")):
+    results = run_on_ranks(2, on_ranks_saved_by_one_rank, str(tmp_path / "sd.pt"))
+    for r in results:
         assert "rank 0's shards, loaded on rank 1" in r["refused"] and "full_state_dict()" in r["refused"], r
         assert r["unchanged"] and r["same"], r
         assert "optimizer state dict's DTensors" in r["optim_refused"] and "rank 0's shards" in r["optim_refused"], r
+    # torch's opt.load_state_dict is not ours: its step refuses on the rank whose state is not its own
+    assert results[0]["torch_refused"] == "no error" and results[0]["stepped"], results[0]
+    assert "is rank 0's shard" in results[1]["torch_refused"] and not results[1]["stepped"], results[1]
 
 
 def test_overridden_module_methods_keep_torch_signatures():

@@ -280,6 +280,9 @@ class ShardwrapStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("ShardwrapStrategy.save_checkpoint(..., storage_options=...): shardwrap writes the files itself; drop storage_options")
+        # before the broadcast, a collective: OnExceptionCheckpoint saves on a rank whose step
+        # raised while its peers are still inside theirs (the broadcast met theirs and hung)
+        self.sharded_module.check_between_steps("save_checkpoint")
         path = str(self.broadcast(os.fspath(filepath)))
         # ModelCheckpoint(save_weights_only=True) leaves the optimizer out of the checkpoint dict
         optimizer = self._the_optimizer("save a checkpoint") if "optimizer_states" in checkpoint else None
@@ -304,8 +307,9 @@ class ShardwrapStrategy(ParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = str(self.broadcast(os.fspath(checkpoint_path)))
         model = self.sharded_module
+        model.check_between_steps("load_checkpoint")  # before the broadcast, as in save_checkpoint
+        path = str(self.broadcast(os.fspath(checkpoint_path)))
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self._the_optimizer("load a checkpoint") if fitting else None
         if os.path.isdir(path):

@@ -61,7 +61,6 @@ def enter(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], A
         isinstance(p, DTensor) and owner[id(p)] is None for group in optimizer.param_groups for p in group["params"]
     ):
         return None  # nothing of ours, or DTensors of another kind beside them: the DTensor path
-    _refuse_another_ranks_state(optimizer, owner)
     if optimizer not in _HOOKED:  # whoever reads or loads the state between steps sees the DTensors
         optimizer.register_state_dict_pre_hook(_leave_before_state_dict)
         optimizer.register_load_state_dict_pre_hook(_leave_before_load)
@@ -148,12 +147,13 @@ def _leave_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
 
 
 # Meshes of loaded optimizer state (not the parameters' own objects) that place this process where
-# it is: their states need no second look. By identity: meshes compare equal by their ranks alone,
-# whatever coordinate they remember.
-_CHECKED_MESHES: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
+# it is, with the placements checked on them: those states need no second look. By identity:
+# meshes compare equal by their ranks alone, whatever coordinate they remember. By placements too:
+# a 0-dim parameter's replicated state says nothing about the shards on the same mesh (a review).
+_CHECKED_MESHES: "weakref.WeakValueDictionary[tuple[int, tuple[Any, ...]], DeviceMesh]" = weakref.WeakValueDictionary()
 
 
-def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner: dict[int, Any]) -> None:
+def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], Any]) -> None:
     """Before the step changes anything: refuse state that is another rank's shard. torch's
     ``Optimizer.load_state_dict`` of a ``state_dict()`` that one rank saved and every rank loaded
     (accelerate's ``save_state``, or ``torch.save(opt.state_dict())`` on rank 0) gives every rank
@@ -166,20 +166,22 @@ def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner: dict[in
 
     for group in optimizer.param_groups:
         for p in group["params"]:
-            unit = owner[id(p)]
+            unit = owner_of(p)
             if unit is None:
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, DTensor):
                     continue
                 mesh = value.device_mesh
-                if mesh is p.device_mesh or _CHECKED_MESHES.get(id(mesh)) is mesh:
+                seen = (id(mesh), tuple(value.placements))
+                if mesh is p.device_mesh or _CHECKED_MESHES.get(seen) is mesh:
                     continue
                 saver = saved_on_another_rank(value)
                 if saver is None:
-                    _CHECKED_MESHES[id(mesh)] = mesh
+                    _CHECKED_MESHES[seen] = mesh
                     continue
-                name = unit.layout.slots[unit.sharded_params.index(p)].fqn
+                index = next(i for i, q in enumerate(unit.sharded_params) if q is p)  # not list.index: DTensor ==
+                name = unit.layout.slots[index].fqn
                 raise RuntimeError(
                     f"rank {torch.distributed.get_rank()}: {type(optimizer).__name__} state '{key}' of parameter "
                     f"'{name}' is rank {saver}'s shard: the optimizer's state_dict() was saved on one rank and "

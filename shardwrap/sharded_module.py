@@ -572,6 +572,9 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
             unit = _unit_of_param(p)
             if unit is not None and unit.store is not None:
                 roots.setdefault(id(unit._root), unit._root)
+    # Every optimizer, before anything steps: state that torch's load_state_dict took from another
+    # rank's file (design/notes/state-dicts.md, "Another rank's shards")
+    local_step.refuse_another_ranks_state(optimizer, _unit_of_param)
     for root in roots.values():
         root.finish_host_copies()
     if _offload_pre_step(optimizer):

@@ -282,6 +282,52 @@ def test_hugging_face_reads_the_wrapped_models_labels_from_the_class(tmp_path):
         assert r["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6), r
 
 
+class GainBlock(nn.Module):
+    """A 0-dim parameter first (a gain, CLIP's logit_scale): its optimizer state is replicated."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(1.0))
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * torch.tanh(self.lin(x))
+
+
+class SGDSubclass(torch.optim.SGD):
+    """Not one of the optimizer classes whose step runs on the local tensors."""
+
+
+def on_ranks_optimizer_saved_by_rank_0(path: str, kind: str) -> dict:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(nn.Sequential(GainBlock(), GainBlock()), auto_wrap_policy={GainBlock})
+    opt = (SGDSubclass if kind == "subclass" else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    opt.load_state_dict(torch.load(path, weights_only=True))
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    try:
+        opt.step()
+        return {"refused": "no error"}
+    except RuntimeError as exc:
+        return {"refused": str(exc)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "subclass"])
+def test_another_ranks_optimizer_state_is_refused_past_a_replicated_state_and_for_any_optimizer(kind, tmp_path):
+    # a 0-dim parameter's replicated state passed the check and marked its mesh as checked, so the
+    # shards after it went through (a review); a subclass of SGD was not looked at at all
+    results = run_on_ranks(2, on_ranks_optimizer_saved_by_rank_0, str(tmp_path / "opt.pt"), kind)
+    assert results[0]["refused"] == "no error", results
+    assert "state 'momentum_buffer' of parameter '0.lin.weight' is rank 0's shard" in results[1]["refused"], results
+
+
 def on_ranks_saved_by_one_rank(path: str) -> dict:
     from shardwrap import ShardedModule
 

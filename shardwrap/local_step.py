@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardwrap import collectives
 from shardwrap.unit import dtensor_over
 
 # torch's optimizers whose update reads each element of a parameter, its gradient and its state
@@ -166,8 +167,7 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
 
     for group in optimizer.param_groups:
         for p in group["params"]:
-            unit = owner_of(p)
-            if unit is None:
+            if not isinstance(p, DTensor):
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, DTensor):
@@ -175,6 +175,9 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
                 mesh = value.device_mesh
                 seen = (id(mesh), tuple(value.placements))
                 if mesh is p.device_mesh or _CHECKED_MESHES.get(seen) is mesh:
+                    continue  # every step of a run that loaded nothing ends here, with no lookup
+                unit = owner_of(p)
+                if unit is None:  # a DTensor of another kind (tensor parallel alone): not ours to judge
                     continue
                 saver = saved_on_another_rank(value)
                 if saver is None:
@@ -183,7 +186,7 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
                 index = next(i for i, q in enumerate(unit.sharded_params) if q is p)  # not list.index: DTensor ==
                 name = unit.layout.slots[index].fqn
                 raise RuntimeError(
-                    f"rank {torch.distributed.get_rank()}: {type(optimizer).__name__} state '{key}' of parameter "
+                    f"rank {collectives.rank()}: {type(optimizer).__name__} state '{key}' of parameter "
                     f"'{name}' is rank {saver}'s shard: the optimizer's state_dict() was saved on one rank and "
                     f"loaded on every rank (torch.save(opt.state_dict()) on rank 0, or accelerate's save_state), "
                     f"so this rank would step with rank {saver}'s moments. Nothing was stepped. Resume from "

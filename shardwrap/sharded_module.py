@@ -1376,6 +1376,16 @@ class ShardedModule(nn.Module):
     def begin_backward(self) -> None:
         if self._state is TrainingState.BACKWARD:
             return
+        changed = [u.name for u in self._units if u.changed_since_forward()]
+        if changed:  # before anything changes: the same on every rank that wrote the same
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: the parameters of unit(s) {', '.join(repr(n) for n in changed)} "
+                f"were written after the forward that this backward goes back through (an optimizer.step(), "
+                f"load_state_dict, load_checkpoint or an in-place write between the forward and its backward). "
+                f"The backward would take gradients of the new values against activations of the old ones; "
+                f"plain PyTorch refuses it too ('modified by an inplace operation'). Call backward() before "
+                f"changing the parameters, or run the forward again after the change"
+            )
         self._state = TrainingState.BACKWARD
         # The graph task this backward runs in; a reentrant checkpoint's nested backwards run in
         # tasks of their own, and units they are done with wait for this one (release_due_units)

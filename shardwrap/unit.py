@@ -115,10 +115,12 @@ def completion_probe(work: collectives.Work | None, device: torch.device) -> Cal
 
 @dataclasses.dataclass(frozen=True)
 class _Views:
-    """One installed set of full-shape views: its number, and the split node behind them."""
+    """One installed set of full-shape views: its number, the split node behind them, and the
+    shard's data version they were gathered from (``Unit.data_version``)."""
 
     number: int
     split: torch.autograd.graph.Node
+    version: int
 
 
 def _keep_alive(views: "_Views", *grads: object) -> None:
@@ -585,6 +587,28 @@ class Unit:
         consumed by the wrong event, so staleness is derived from it instead of being a flag
         somebody must remember to set."""
         return sum(p._version for p in self.sharded_params) + self._writes
+
+    def data_version(self) -> int:
+        """A count that writes into the shard's data raise and nothing else does (unlike
+        ``_shard_version``, it counts no "may have been written" marks): the parameters' own
+        version counters (in-place ops on them), their local tensors' (the optimizer's step on
+        the locals, ``to_local()`` writes) and the flat shard's views' (loads). Each has a counter
+        of its own: a DTensor and its local tensor share none."""
+        params = sum(p._version + p._local_tensor._version for p in self.sharded_params)  # type: ignore[attr-defined]
+        return params + sum(t._version for t in self._local_params)
+
+    def changed_since_forward(self) -> bool:
+        """Inside a backward: whether a forward call of this unit that the running backward will go
+        through read parameters that were written since (design/notes/rank-agreement.md,
+        "Parameters written between a forward and its backward")."""
+        if not self._calls:
+            return False
+        now = self.data_version()
+        for call in self._calls:
+            views = call()
+            if views is not None and views.version != now and torch._C._will_engine_execute_node(views.split):
+                return True
+        return False
 
     @property
     def data_state(self) -> DataState:
@@ -1289,7 +1313,7 @@ class Unit:
             # gradient"), or give the slots back (stage 1)
             self._view_sets += 1
             split.register_prehook(_weak(self._views_done, self._view_sets))
-            installed = _Views(self._view_sets, split)
+            installed = _Views(self._view_sets, split, self.data_version())
             keep = functools.partial(_keep_alive, installed)
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf

@@ -629,3 +629,91 @@ def test_a_dead_peer_gives_a_clear_error_naming_the_collective(tmp_path):
     message = open(path).read()
     assert message.startswith("PeerLost: rank 0: the "), message
     assert "of unit '" in message and "of step 2" in message and "another rank's process went away" in message, message
+
+
+# ---- parameters written between a forward and its backward ----------------------------------
+
+BETWEEN = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=4)
+
+
+def write_between(how: str, model, opt, snapshot, path: str | None) -> None:  # type: ignore[no-untyped-def]
+    """The write that lands between step 2's forward and its backward (plain model or sharded)."""
+    if how == "step":  # the gradients of step 1 are still there (no zero_grad before this step)
+        opt.step()
+    elif how == "in_place":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+    elif how == "load_state_dict":
+        model.load_state_dict(snapshot["model"])
+    elif how == "load_checkpoint":
+        from shardwrap import load_checkpoint
+
+        if path is None:  # the plain model: what the checkpoint holds
+            model.load_state_dict(snapshot["model"])
+            opt.load_state_dict(snapshot["opt"])
+        else:
+            load_checkpoint(path, model, opt)
+
+
+def train_writing_between(how: str, stage: int | None, path: str | None = None) -> dict:
+    """Step 0 trains (and snapshots after it); step 2's forward is followed by ``how`` and then its
+    backward, which must raise; training goes on. ``stage`` None: the unwrapped model on the
+    global batch."""
+    import copy
+
+    rank, world = (0, 1) if stage is None else (dist.get_rank(), dist.get_world_size())
+    model = build_model(BETWEEN)
+    if stage is not None:
+        from shardwrap import ShardedModule, save_checkpoint
+
+        model = ShardedModule(model, auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(BETWEEN, model)
+    errors, snapshot = [], {}
+    for step in range(BETWEEN.steps):
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(BETWEEN, step).items()}
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        if step == 2:
+            write_between(how, model, opt, snapshot, path)
+            try:
+                loss.backward()
+                errors.append("no error")
+            except RuntimeError as exc:
+                errors.append(str(exc))
+            opt.zero_grad()
+            continue
+        loss.backward()
+        if step == 1 and how == "step":
+            continue  # its gradients stay for the step between step 2's forward and backward
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            if stage is None:
+                snapshot = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+            else:
+                snapshot = {"model": model.full_state_dict(rank0_only=False)}
+                if path is not None:
+                    save_checkpoint(path, model, opt)
+    full = model.full_state_dict() if stage is not None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"errors": errors, "full": full}
+
+
+def on_ranks_write_between(how: str, stage: int, path: str) -> dict:
+    return train_writing_between(how, stage, path)
+
+
+@pytest.mark.parametrize("how", ["step", "in_place", "load_state_dict", "load_checkpoint"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_written_between_a_forward_and_its_backward_are_refused_like_plain_pytorch(stage, how, tmp_path):
+    # the backward took gradients of the new parameters against the old activations at stage 3
+    # (it gathers again) and of the old ones at stages 1 and 2, silently; plain PyTorch raises
+    expected = train_writing_between(how, None)
+    assert "modified by an inplace operation" in expected["errors"][0]
+    results = run_on_ranks(2, on_ranks_write_between, how, stage, str(tmp_path / "ckpt"), timeout=60)
+    for r in results:
+        assert len(r["errors"]) == 1 and "written after the forward" in r["errors"][0], r["errors"]
+        assert "'blocks.0'" in r["errors"][0] and "Call backward() before" in r["errors"][0], r["errors"]
+    full = results[0]["full"]
+    assert set(full) == set(expected["full"])
+    for name, value in expected["full"].items():  # the write itself stands, and training goes on
+        assert_close_params(full[name], value, "sgd", BETWEEN.steps, name)

@@ -171,6 +171,8 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, DTensor):
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape != p._local_tensor.shape:
+                        _refuse_full_state(optimizer, owner_of, p, key)
                     continue
                 mesh = value.device_mesh
                 seen = (id(mesh), tuple(value.placements))
@@ -193,6 +195,25 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
                     f"shardwrap.save_checkpoint or torch.distributed.checkpoint, or save "
                     f"model.full_optim_state_dict(opt) and load it with model.load_full_optim_state_dict"
                 )
+
+
+def _refuse_full_state(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], Any], p: DTensor, key: str) -> None:
+    """State of the full parameter's shape beside a sharded parameter: the ``state_dict()`` of the
+    same optimizer over the unwrapped model, loaded with torch's ``Optimizer.load_state_dict``
+    (which keeps its tensors whole). The step would fail in torch's broadcasting, after updating
+    the parameters before this one, or broadcast a one-row shard's state silently."""
+    unit = owner_of(p)
+    if unit is None:  # a DTensor of another kind: not ours to judge
+        return
+    index = next(i for i, q in enumerate(unit.sharded_params) if q is p)  # not list.index: DTensor ==
+    raise RuntimeError(
+        f"rank {collectives.rank()}: {type(optimizer).__name__} state '{key}' of parameter "
+        f"'{unit.layout.slots[index].fqn}' has the full parameter's shape {tuple(p.shape)}, where this rank "
+        f"holds a shard of shape {tuple(p._local_tensor.shape)}: a state_dict() of the optimizer over the "
+        f"unwrapped model, loaded with optimizer.load_state_dict. Nothing was stepped. Load it with "
+        f"model.load_full_optim_state_dict(optimizer, osd), which shards it (every rank may pass the "
+        f"same dict), or resume from shardwrap.save_checkpoint or torch.distributed.checkpoint"
+    )
 
 
 def _leave_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

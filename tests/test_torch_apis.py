@@ -328,6 +328,77 @@ def test_another_ranks_optimizer_state_is_refused_past_a_replicated_state_and_fo
     assert "state 'momentum_buffer' of parameter '0.lin.weight' is rank 0's shard" in results[1]["refused"], results
 
 
+FULL_STATE = Case("mlp", {"dim": 16, "depth": 2}, policy="Block", steps=4)
+
+
+def train_resuming_from_a_plain_optimizer(case: Case, stage: int | None, load: str = "full") -> dict:
+    """Two steps on the unwrapped model; its model and optimizer state_dict() are loaded into a
+    fresh model (wrapped at ``stage``), which trains the remaining steps. ``load``: how the
+    optimizer's state goes in ("torch": torch's load_state_dict, refused at the step; the full
+    load follows)."""
+    from parity import build_optimizer, loss_fn
+
+    rank, world = (0, 1) if stage is None else (dist.get_rank(), dist.get_world_size())
+    plain = build_model(case)
+    opt = build_optimizer(case, plain)
+    for step in range(2):
+        loss_fn(case, plain, global_batch(case, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = {"model": copy.deepcopy(plain.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    model = build_model(case)
+    if stage is not None:
+        from shardwrap import ShardedModule
+
+        model = ShardedModule(model, auto_wrap_policy={models.Block}, stage=stage)
+    model.load_state_dict(saved["model"])
+    opt = build_optimizer(case, model)
+    refused = ""
+    if stage is None:
+        opt.load_state_dict(saved["opt"])
+    else:
+        if load == "torch":
+            opt.load_state_dict(saved["opt"])
+            before = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
+            loss_fn(case, model, {k: v.chunk(world)[rank] for k, v in global_batch(case, 2).items()}).backward()
+            try:
+                opt.step()
+                refused = "no error"
+            except RuntimeError as exc:
+                refused = str(exc)
+            after = model.full_state_dict(rank0_only=False)
+            assert all(torch.equal(before[k], after[k]) for k in before), "the refused step changed parameters"
+            opt.zero_grad()
+        model.load_full_optim_state_dict(opt, saved["opt"])  # every rank passes it; rank 0's is used
+    for step in range(2, case.steps):
+        loss_fn(case, model, {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}).backward()
+        opt.step()
+        opt.zero_grad()
+    full = model.full_state_dict() if stage is not None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"full": full, "refused": refused}
+
+
+def on_ranks_plain_optimizer_state(case: Case, stage: int) -> dict:
+    return train_resuming_from_a_plain_optimizer(case, stage, load="torch")
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_plain_optimizers_state_loaded_with_torch_is_refused_at_the_step_and_loads_with_the_full_load(stage, optim):
+    # torch's load_state_dict keeps the full tensors; the step then failed in torch's broadcasting
+    # ("The size of tensor a (3) must match ...") after stepping the parameters before the first
+    # mismatch, naming nothing
+    c = case(FULL_STATE, optim=optim)
+    expected = train_resuming_from_a_plain_optimizer(c, None)["full"]
+    results = run_on_ranks(2, on_ranks_plain_optimizer_state, c, stage, timeout=60)
+    key = "momentum_buffer" if optim == "sgd" else "exp_avg"
+    for r in results:
+        assert f"state '{key}' of parameter 'inp.weight' has the full parameter's shape (16, 16)" in r["refused"], r["refused"]
+        assert "load_full_optim_state_dict" in r["refused"] and "Nothing was stepped" in r["refused"], r["refused"]
+    for name, value in expected.items():
+        assert_close_params(results[0]["full"][name], value, optim, c.steps, name)
+
+
 def on_ranks_saved_by_one_rank(path: str) -> dict:
     from shardwrap import ShardedModule
 

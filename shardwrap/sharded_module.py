@@ -560,6 +560,7 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     (``local_step``; not with disk offload, whose state placement keys on the DTensors)."""
     _exit_step_modes(optimizer)  # the last step raised before its post-hook
     roots: dict[int, ShardedModule] = {}  # offloaded models whose shards this step rewrites on the host
+    owed: dict[int, ShardedModule | None] = {}  # models owed a backward: None once one of their parameters has a gradient
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _RETIRED_PARAMS.get(p)
@@ -570,8 +571,18 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     f"wrapping, from model.parameters()"
                 )
             unit = _unit_of_param(p)
-            if unit is not None and unit.store is not None:
+            if unit is None:
+                continue
+            if unit.store is not None:
                 roots.setdefault(id(unit._root), unit._root)
+            if unit._root._expect_backward:
+                if p.grad is not None:
+                    owed[id(unit._root)] = None
+                else:
+                    owed.setdefault(id(unit._root), unit._root)
+    for root in owed.values():
+        if root is not None:
+            _warn_no_gradient(optimizer, root)
     # Every optimizer, before anything steps: state that torch's load_state_dict took from another
     # rank's file (design/notes/state-dicts.md, "Another rank's shards")
     local_step.refuse_another_ranks_state(optimizer, _unit_of_param)
@@ -580,6 +591,26 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     if _offload_pre_step(optimizer):
         return None
     return local_step.enter(optimizer, _unit_of_param, kwargs, args)
+
+
+def _warn_no_gradient(optimizer: torch.optim.Optimizer, root: ShardedModule) -> None:
+    """A step over a model whose last forward (in grad mode) got no backward, and none of whose
+    parameters has a gradient. ``loss.backward(inputs=list(model.parameters()))`` ends so: the
+    sharded parameters are not leaves of the forward's graph (the units compute with views of the
+    gathered buffer), so that backward reaches none of them and runs none of the model's hooks, and
+    the step changes nothing, silently (``fully_shard`` alike). A warning, not an error: a loop that
+    skips the backward of a non-finite loss and steps anyway does the same on purpose."""
+    warnings.warn(
+        f"rank {collectives.rank()}: {type(optimizer).__name__}.step(): no parameter of this ShardedModule "
+        f"has a gradient, and its last forward got no backward. If the backward was "
+        f"loss.backward(inputs=...) with the model's parameters, it reached none of them: shardwrap's "
+        f"parameters are not leaves of the forward's graph (as under fully_shard), so that backward computes "
+        f"nothing for them. Call loss.backward() without inputs (set requires_grad_(False), or zero the "
+        f"gradients you do not want, to keep other parameters out). If the backward was skipped on purpose, "
+        f"this step changes nothing, as in plain PyTorch.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _unit_of_param(p: torch.Tensor) -> Unit | None:

@@ -1211,3 +1211,37 @@ def test_a_models_attribute_named_like_the_wrappers_state_is_the_models(stage):
         assert len(r["warned"]) == 1 and "'stage'" in r["warned"][0] and "'sync'" not in r["warned"][0], r["warned"]
         for name, value in reference.state_dict().items():
             assert_close_params(r["full"][name], value, "sgd", 3, name)
+
+
+def on_ranks_backward_inputs(stage: int) -> dict:
+    import warnings
+
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 16).chunk(world)[rank]
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).pow(2).mean().backward()  # an ordinary step: no warning
+        opt.step()
+        opt.zero_grad()
+        out["ordinary"] = [str(w.message) for w in caught if "has a gradient" in str(w.message)]
+        model(x).pow(2).mean().backward(inputs=list(model.parameters()))
+        out["grads"] = [p.grad is None for p in model.parameters()]
+        opt.step()
+        out["inputs"] = [str(w.message) for w in caught if "has a gradient" in str(w.message)]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_backward_with_the_parameters_as_inputs_reaches_none_and_the_step_warns(stage):
+    # loss.backward(inputs=list(model.parameters())) computed nothing for them and the step changed
+    # nothing, silently (fully_shard alike): the shards are not leaves of the forward's graph
+    for r in run_on_ranks(2, on_ranks_backward_inputs, stage):
+        assert r["ordinary"] == [], r
+        assert all(r["grads"]), r  # what makes the warning necessary: nothing reached them
+        assert len(r["inputs"]) == 1 and "loss.backward(inputs=...)" in r["inputs"][0], r

@@ -554,11 +554,15 @@ def _inside_ddp_constructor(depth: int = 12) -> bool:
     return False
 
 
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-    """Optimizer step pre-hook: refuse to step parameters that wrapping replaced; disk offload's
-    state placement (``_offload_pre_step``); then an elementwise optimizer steps the local tensors
-    (``local_step``; not with disk offload, whose state placement keys on the DTensors)."""
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook (global): refuse to step parameters that wrapping replaced; disk
+    offload's state placement (``_offload_pre_step``); then an elementwise optimizer steps the
+    local tensors (``local_step``; not with disk offload, whose state placement keys on the
+    DTensors), swapped in by a hook of the optimizer's own that runs after its other pre-hooks and
+    out by one that runs before its other post-hooks: a user's step hook sees the DTensors
+    (design/notes/dtensor-parameters.md, "The step on local tensors")."""
     _exit_step_modes(optimizer)  # the last step raised before its post-hook
+    ours = False
     roots: dict[int, ShardedModule] = {}  # offloaded models whose shards this step rewrites on the host
     owed: dict[int, ShardedModule | None] = {}  # models owed a backward: None once one of their parameters has a gradient
     for group in optimizer.param_groups:
@@ -573,6 +577,7 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
             unit = _unit_of_param(p)
             if unit is None:
                 continue
+            ours = True
             if unit.store is not None:
                 roots.setdefault(id(unit._root), unit._root)
             if unit._root._expect_backward:
@@ -588,9 +593,40 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     local_step.refuse_another_ranks_state(optimizer, _unit_of_param)
     for root in roots.values():
         root.finish_host_copies()
-    if _offload_pre_step(optimizer):
-        return None
+    if _offload_pre_step(optimizer) or not ours:
+        return
+    # The optimizer's own hooks run after the global pre-hooks and before the global post-hooks:
+    # the swap goes last among its pre-hooks and its end first among its post-hooks, where a hook
+    # registered since would otherwise run inside it
+    hooks = _SWAP_HOOKS.get(optimizer)
+    if hooks is None:
+        hooks = _SWAP_HOOKS[optimizer] = (optimizer.register_step_pre_hook(_swap_in), optimizer.register_step_post_hook(_swap_out))
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    pre[hooks[0].id] = pre.pop(hooks[0].id)  # last
+    if next(iter(post)) != hooks[1].id:  # first
+        rest = [(k, v) for k, v in post.items() if k != hooks[1].id]
+        first = post[hooks[1].id]
+        post.clear()
+        post.update([(hooks[1].id, first), *rest])
+
+
+# Each optimizer's own pair of step hooks that swap the local tensors in and out (weakly keyed: the
+# handles hold the optimizer's hook dicts weakly, so nothing here keeps an optimizer alive).
+_SWAP_HOOKS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _swap_in(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """The optimizer's last step pre-hook: an elementwise optimizer steps the local tensors."""
     return local_step.enter(optimizer, _unit_of_param, kwargs, args)
+
+
+def _swap_out(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The optimizer's first step post-hook: the DTensors back, before the user's post-hooks."""
+    if local_step.leave(optimizer):
+        _LEFT.add(optimizer)  # the units are marked written: _mark_stepped_units has nothing left to do
+
+
+_LEFT: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def _warn_no_gradient(optimizer: torch.optim.Optimizer, root: ShardedModule) -> None:
@@ -698,7 +734,8 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     write DTensor parameters without bumping any counter (torch 2.13). Without this, a stage-1
     model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
-    if local_step.leave(optimizer):  # the step ran on the local tensors (never with disk offload)
+    if optimizer in _LEFT or local_step.leave(optimizer):  # the step ran on the local tensors (never with disk offload)
+        _LEFT.discard(optimizer)
         return
     _exit_step_modes(optimizer)
     disk = _disk_params(optimizer)

@@ -37,12 +37,16 @@ def train(c: Case, rank: int, world: int, *, sharded: bool, closure: bool = Fals
     opt = build_optimizer(c, model)
     seen: list[set[type]] = []
 
-    def record(optimizer, args, kwargs):  # what the step itself sees in the groups
-        seen.append({type(p) for g in optimizer.param_groups for p in g["params"]})
-        if len(seen) - 1 == fail_at:
-            raise RuntimeError("planted failure inside the step")
+    inner = opt._init_group  # type: ignore[attr-defined]  # called by the step itself, after every step pre-hook
 
-    opt.register_step_pre_hook(record)
+    def record(group, *args, **kwargs):  # type: ignore[no-untyped-def]  # what the step itself sees in the groups
+        if group is opt.param_groups[0]:
+            seen.append({type(p) for g in opt.param_groups for p in g["params"]})
+            if len(seen) - 1 == fail_at:
+                raise RuntimeError("planted failure inside the step")
+        return inner(group, *args, **kwargs)
+
+    opt._init_group = record  # type: ignore[attr-defined]
     for step in range(c.steps):
         batch = {k: v.chunk(world)[rank] for k, v in global_batch(c, step).items()}
 
@@ -123,11 +127,31 @@ def on_ranks_types(kind: str) -> list[set[type]]:
         opt = torch.optim.AdamW(params + [extra], lr=1e-3)
     else:
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=kind == "foreach")
+    # what torch's Adam kernels are handed (the optimizer's own step hooks see the DTensors either way)
+    import torch.optim.adam as adam_module
+
     seen: list[set[type]] = []
-    opt.register_step_pre_hook(lambda o, a, k: seen.append({type(p) for g in o.param_groups for p in g["params"]}))
+    kernels = {name: getattr(adam_module, name) for name in ("_single_tensor_adam", "_multi_tensor_adam")}
+
+    def recording(kernel):  # type: ignore[no-untyped-def]
+        def run(params, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append({type(p) for p in params})
+            return kernel(params, *args, **kwargs)
+
+        return run
+
+    hooked: list[set[type]] = []
+    opt.register_step_pre_hook(lambda o, a, k: hooked.append({type(p) for g in o.param_groups for p in g["params"]}))
     batch = {k: v.chunk(WORLD)[dist.get_rank()] for k, v in global_batch(c, 0).items()}
     loss_fn(c, model, batch).backward()
-    opt.step()
+    try:
+        for name, kernel in kernels.items():
+            setattr(adam_module, name, recording(kernel))
+        opt.step()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(adam_module, name, kernel)
+    assert all(types <= {DTensor, torch.nn.Parameter} for types in hooked), hooked
     return seen
 
 
@@ -140,3 +164,60 @@ def test_which_optimizers_step_local_tensors(kind, expected):
     a group that also holds a DTensor shardwrap did not make, keeps the DTensor parameters."""
     for seen in run_on_ranks(WORLD, on_ranks_types, kind):
         assert seen == [expected], seen
+
+
+def train_with_step_hooks(kind: str, model: torch.nn.Module, rank: int, world: int) -> set[str]:
+    """AdamW whose own step pre-hook clips the gradients' global norm, or SGD whose own post-hook
+    renormalizes each matrix: both read norms over the optimizer's parameters."""
+    if kind == "pre":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def clip(o, a, k):  # type: ignore[no-untyped-def]
+            torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.05)
+
+        opt.register_step_pre_hook(clip)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        @torch.no_grad()
+        def renormalize(o, a, k):  # type: ignore[no-untyped-def]
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if p.dim() == 2:
+                        p.div_(p.norm())
+
+        opt.register_step_post_hook(renormalize)
+    seen: set[str] = set()
+    opt.register_step_pre_hook(lambda o, a, k: seen.update(type(p).__name__ for g in o.param_groups for p in g["params"]))
+    c = case("sgd", 3)
+    for step in range(3):
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(c, step).items()}
+        loss_fn(c, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def on_ranks_step_hooks(kind: str, stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    c = case("sgd", stage)
+    model = ShardedModule(build_model(c), auto_wrap_policy=resolve_policy(c), stage=stage)
+    seen = train_with_step_hooks(kind, model, dist.get_rank(), WORLD)
+    return {"seen": seen, "full": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizers_own_step_hooks_see_the_dtensors_and_match_the_unwrapped_model(kind, stage):
+    # they ran inside the local-tensor swap: a norm in them was each rank's own, silently
+    # (5.3e-3 off for the clip, 2.0e-1 for the renormalization at stage 3; an audit)
+    c = case("sgd", stage)
+    reference = build_model(c)
+    train_with_step_hooks(kind, reference, 0, 1)
+    results = run_on_ranks(WORLD, on_ranks_step_hooks, kind, stage)
+    for r in results:
+        assert r["seen"] == {"DTensor"}, r["seen"]
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(results[0]["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+

@@ -165,13 +165,16 @@ def refuse_another_ranks_state(optimizer: torch.optim.Optimizer, owner_of: Calla
     when this rank's process ends."""
     from shardwrap.state_dict import saved_on_another_rank
 
+    elementwise = type(optimizer) in ELEMENTWISE
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not isinstance(p, DTensor):
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, DTensor):
-                    if isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape != p._local_tensor.shape:
+                    # (torch's elementwise optimizers only: another may keep full state of its own)
+                    if (elementwise and isinstance(value, torch.Tensor) and value.dim()
+                            and value.shape == p.shape != p._local_tensor.shape):
                         _refuse_full_state(optimizer, owner_of, p, key)
                     continue
                 mesh = value.device_mesh

@@ -585,9 +585,12 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     owed[id(unit._root)] = None
                 else:
                     owed.setdefault(id(unit._root), unit._root)
-    for root in owed.values():
-        if root is not None:
-            _warn_no_gradient(optimizer, root)
+    # (a step with a closure runs its own forward and backward; one where any parameter has a gradient
+    # is not a no-op: a model of several whose output was detached is someone's linear probe)
+    if not _step_closure(args, kwargs) and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
+        for root in owed.values():
+            if root is not None:
+                _warn_no_gradient(optimizer, root)
     # Every optimizer, before anything steps: state that torch's load_state_dict took from another
     # rank's file (design/notes/state-dicts.md, "Another rank's shards")
     local_step.refuse_another_ranks_state(optimizer, _unit_of_param)
@@ -627,6 +630,11 @@ def _swap_out(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 _LEFT: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _step_closure(args: Any, kwargs: Any) -> Any:
+    """The closure an ``optimizer.step`` call was given, or None (the hooks see ``(self, ...)``)."""
+    return kwargs.get("closure", args[1] if len(args) > 1 else None)
 
 
 def _warn_no_gradient(optimizer: torch.optim.Optimizer, root: ShardedModule) -> None:
@@ -742,13 +750,19 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     if disk:
         _settle_state(optimizer, disk)
     seen: set[int] = set()
+    stepped: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = _SHARDED_PARAMS.get(p)
             unit = ref() if ref is not None else None
-            if unit is not None and id(unit) not in seen:
+            if unit is None:
+                continue
+            if id(unit) not in seen:
                 seen.add(id(unit))
                 unit.mark_written()
+            if p.grad is not None and id(unit) not in stepped:  # a write a backward still owed must see
+                stepped.add(id(unit))
+                unit.mark_stepped()
 
 
 def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:

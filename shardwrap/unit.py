@@ -333,6 +333,7 @@ class _Gather:
     output: torch.Tensor  # rank-major (W, S + 1); with ``direct``, only the (W,) tags
     send: torch.Tensor  # must live until the collective completes
     direct: bool = False  # the data goes straight into the unsharded buffer (pairwise, CPU)
+    version_before: int = 0  # the unsharded buffer's version counter when it started
 
 
 @dataclass
@@ -447,6 +448,14 @@ class Unit:
         self._reduction: _Reduction | None = None  # while IN_FLIGHT
         self._gathered_version = -1  # the shard's version when it was last gathered
         self._writes = 0  # writes into the shard that bypass the parameters (loads)
+        # For data_version: writes no version counter sees that surely changed the shard (a step of
+        # a multi-tensor kernel on the DTensors), and the bumps of the flat buffer's counter by this
+        # unit's own all-gathers (stage 1 keeps its shard in the unsharded buffer)
+        self._steps_written = 0
+        self._own_bumps = 0
+        # Every forward call whose graph may still be backwarded, for the check of writes since
+        # (changed_since_forward); unlike _calls, not cleared when a backward ends (retain_graph)
+        self._forward_calls: list[weakref.ref[_Views]] = []
         # Per trainable parameter: whether a gradient reached its view on this rank since the last
         # reduce-scatter started (which carries these bits as its used-flags); whether one did in
         # any of this backward's reductions (host bits: where all are set, nothing is read back
@@ -595,16 +604,16 @@ class Unit:
         the locals, ``to_local()`` writes) and the flat shard's views' (loads). Each has a counter
         of its own: a DTensor and its local tensor share none."""
         params = sum(p._version + p._local_tensor._version for p in self.sharded_params)  # type: ignore[attr-defined]
-        return params + sum(t._version for t in self._local_params)
+        return params + sum(t._version for t in self._local_params) - self._own_bumps + self._steps_written
 
     def changed_since_forward(self) -> bool:
         """Inside a backward: whether a forward call of this unit that the running backward will go
         through read parameters that were written since (design/notes/rank-agreement.md,
         "Parameters written between a forward and its backward")."""
-        if not self._calls:
+        if not self._forward_calls:
             return False
         now = self.data_version()
-        for call in self._calls:
+        for call in self._forward_calls:
             views = call()
             if views is not None and views.version != now and torch._C._will_engine_execute_node(views.split):
                 return True
@@ -714,6 +723,12 @@ class Unit:
         counter: a load, or views handed out by ``state_dict()`` that
         ``torch.distributed.checkpoint.load`` fills in place. The next forward gathers again."""
         self._writes += 1
+
+    def mark_stepped(self) -> None:
+        """An optimizer stepped parameters of this unit that had a gradient, maybe with a kernel
+        that bumps no version counter (foreach or fused on the DTensors): ``data_version`` moves."""
+        self._writes += 1
+        self._steps_written += 1
 
     def local_param(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s local chunk: a plain view of the flat shard."""
@@ -836,6 +851,8 @@ class Unit:
             if views is not None:
                 self._calls = [call for call in self._calls if call() is not None]
                 self._calls.append(weakref.ref(views))
+                self._forward_calls = [call for call in self._forward_calls if call() is not None]
+                self._forward_calls.append(self._calls[-1])
             root.schedule.record_post_forward(self)
             root._expect_backward = True
         elif module.training and not torch.is_grad_enabled():
@@ -1078,6 +1095,7 @@ class Unit:
                 send.copy_(self.read_shard())
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
+        version_before = self._padded_unsharded._version  # stage 1: the gather rewrites the shard's own rows
         if collectives.sends_pieces(self.group, send.device, send.numel() * send.element_size(), len(layout.slots) + 1):
             # Each peer's chunk of each parameter goes straight to its rows of the unsharded
             # buffer, the tags to a (W,) tensor: no rank-major buffer, no copy-out
@@ -1088,11 +1106,11 @@ class Unit:
             params = [piece.view(W, c) for piece, c in zip(self._padded_unsharded.split(layout.padded_sizes), layout.chunk_sizes)]
             rows = [[piece[r] for piece in params] + [tags.narrow(0, r, 1)] for r in range(W)]
             work = collectives.all_gather_pieces(rows, pieces, self.group, async_op=True)
-            self._gather = _Gather(work, tags, send, direct=True)
+            self._gather = _Gather(work, tags, send, direct=True, version_before=version_before)
         else:
             gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
             work = collectives.all_gather(gathered, send, self.group, async_op=True)
-            self._gather = _Gather(work, gathered, send)
+            self._gather = _Gather(work, gathered, send, version_before=version_before)
         self._data = DataState.GATHERING
         if not async_op:
             self._finish_gather()
@@ -1182,6 +1200,8 @@ class Unit:
             self._allocate_unsharded()
             with torch.no_grad():
                 self.layout.copy_gathered_to_unsharded(gather.output, self._padded_unsharded)
+        if self.shard_in_unsharded:  # its own rows were rewritten with what they held: no write of the data
+            self._own_bumps += (self._padded_unsharded._version - gather.version_before) * len(self._local_params)
         if self.store is not None and self.device.type == "cpu":
             self._root._spares.release("send", gather.send.untyped_storage())  # the next unit copies into it
         self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()

@@ -717,3 +717,70 @@ def test_parameters_written_between_a_forward_and_its_backward_are_refused_like_
     assert set(full) == set(expected["full"])
     for name, value in expected["full"].items():  # the write itself stands, and training goes on
         assert_close_params(full[name], value, "sgd", BETWEEN.steps, name)
+
+
+class ForeachSGD(torch.optim.SGD):
+    """A subclass: it steps the DTensors themselves, and with foreach no version counter moves."""
+
+
+def write_around_backwards(how: str, stage: int | None) -> dict:
+    """``how``: "two_backwards": forwards A and B, A's backward, a step, B's backward (plain PyTorch
+    raises); "subclass_step": a foreach step of an SGD subclass between a forward and its backward
+    (raises); "state_dict_between": forward 1, ``state_dict()``, forward 2, one backward of both
+    (trains). Returns the error, or "no error" and the parameters after one more step."""
+    rank, world = (0, 1) if stage is None else (dist.get_rank(), dist.get_world_size())
+    model = build_model(BETWEEN)
+    if stage is not None:
+        from shardwrap import ShardedModule
+
+        model = ShardedModule(model, auto_wrap_policy={models.Block}, stage=stage)
+    opt = ForeachSGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+
+    def loss(step: int) -> torch.Tensor:
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(BETWEEN, step).items()}
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    loss(0).backward()  # gradients for the step below
+    error = "no error"
+    try:
+        if how == "two_backwards":
+            a, b = loss(1), loss(2)
+            a.backward()
+            opt.step()
+            b.backward()
+        elif how == "subclass_step":
+            a = loss(1)
+            opt.step()
+            a.backward()
+        else:
+            a = loss(1)
+            model.state_dict()  # marks the shards as maybe written: stage 1 gathers again in the next forward
+            b = loss(2)
+            (a + b).backward()
+            opt.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    full = model.full_state_dict() if stage is not None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"error": error, "full": full}
+
+
+def on_ranks_write_around_backwards(how: str, stage: int) -> dict:
+    return write_around_backwards(how, stage)
+
+
+@pytest.mark.parametrize("how", ["two_backwards", "subclass_step", "state_dict_between"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_writes_between_forwards_and_backwards_are_refused_exactly_where_plain_pytorch_refuses(stage, how):
+    # a review of the check: a step between two backwards over retained graphs (a GAN's
+    # retain_graph=True, then optD.step()) and a foreach step on the DTensors went through; a
+    # state_dict() between two forwards made stage 1's re-gather look like a write
+    expected = write_around_backwards(how, None)
+    results = run_on_ranks(2, on_ranks_write_around_backwards, how, stage, timeout=60)
+    refused = how != "state_dict_between"
+    assert ("modified by an inplace operation" in expected["error"]) == refused, expected["error"]
+    for r in results:
+        assert ("written after the forward" in r["error"]) == refused, r["error"]
+        assert refused or r["error"] == "no error", r["error"]
+    if not refused:
+        for name, value in expected["full"].items():
+            assert_close_params(results[0]["full"][name], value, "sgd", 2, name)

@@ -17,6 +17,7 @@ Moving between the two layouts is one ``split_with_sizes_copy`` (after an all-ga
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -117,7 +118,8 @@ class FlatLayout:
     """Offsets and sizes of one unit's flat parameter for a given world size.
 
     Trainable parameters come first, so the gradient layout is a prefix of the parameter layout:
-    ``grad_shard_numel`` elements per rank, and frozen parameters take no gradient memory.
+    ``grad_shard_numel`` elements per rank, and frozen parameters take no gradient memory. The
+    prefix grows when a parameter frozen at wrapping is unfrozen (``extend_trainable``).
     """
 
     def __init__(
@@ -138,6 +140,18 @@ class FlatLayout:
             offset += rows * inner
         self.slots = slots
         self.shard_numel = offset
+        self._derive()
+
+    def extend_trainable(self, count: int) -> None:
+        """Grow the trainable prefix to the first ``count`` parameters (a parameter frozen at
+        wrapping was unfrozen: design/notes/after-wrapping.md, "Unfreezing"). Offsets do not
+        change; only the gradient layout's length does."""
+        if count > self.num_trainable:
+            self.slots = [dataclasses.replace(s, requires_grad=True) if j < count else s for j, s in enumerate(self.slots)]
+            self._derive()
+
+    def _derive(self) -> None:
+        slots, world_size = self.slots, self.world_size
         self.num_trainable = sum(s.requires_grad for s in slots)
         self.grad_shard_numel = sum(s.chunk_numel for s in slots[: self.num_trainable])
         self.chunk_sizes = [s.chunk_numel for s in slots]

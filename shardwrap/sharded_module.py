@@ -1390,10 +1390,10 @@ class ShardedModule(nn.Module):
         before it finished is cleaned up first."""
         self.refuse_out_of_step("this forward")
         local_step.restore_failed_steps()
-        for unit in self._units:
-            unit.check_requires_grad()
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
             self._recover()
+        if [unit.follow_unfreezing() for unit in self._units].count(True):  # a unit frozen whole may train now
+            self._replica_order = [u for u in reversed(self._units) if u.has_trainable]
         self._fatal_before = len(collectives.fatal_failures())
         for unit in self._units:  # (a graph that may still be owed a backward keeps its leaves' requires_grad)
             unit.follow_requires_grad(allow_off=not self._expect_backward)

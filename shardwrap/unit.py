@@ -504,15 +504,10 @@ class Unit:
             if slot.requires_grad:  # only shardwrap assigns these grads; autograd never should
                 self._own_grad_hooks.add(param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn)).id)
 
-        # The unsharded buffer (param_dtype) needs storage now to create the aliases; the sharded
-        # configurations free it until the first unshard.
-        n_trainable = layout.padded_trainable_numel
-        self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
-        self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, layout.padded_unsharded_numel - n_trainable)
-        if layout.num_trainable:
-            self.unsharded_trainable.requires_grad_(True)
-            self.unsharded_trainable.register_hook(_weak(self._before_accumulate))  # _calls' split nodes lead here
-            self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
+        # The aliases of the unsharded buffer (param_dtype); the sharded configurations free its
+        # storage until the first unshard.
+        self._aliases_made = 0  # how many times: a parameter frozen at wrapping and unfrozen remakes them
+        self._make_aliases()
         if self.shard_in_unsharded:
             # Stale until the first forward gathers: a write after wrapping that no version counter
             # sees (HF's ``module.weight.data.normal_()`` in an init applied to the wrapped model)
@@ -549,20 +544,60 @@ class Unit:
             if self.unsharded_trainable.requires_grad != live and (live or allow_off):
                 self.unsharded_trainable.requires_grad_(live)
 
-    def check_requires_grad(self) -> None:
-        """Refuse a parameter frozen at wrapping that now requires grad: the flat layout put it
-        among the unit's frozen parameters, which have no gradient storage. (Freezing a trainable
-        one after wrapping is honoured: ``finish_grad`` leaves its ``p.grad`` alone, as autograd
-        leaves a frozen parameter's.)"""
+    def _make_aliases(self) -> None:
+        """The autograd leaf over the trainable prefix of the unsharded buffer and the alias over
+        the rest, each with its own version counter (``_alias``), and the leaf's hooks. Made again
+        when the prefix grows; a graph recorded over the old leaf can no longer be backwarded."""
+        self._aliases_made += 1
+        n_trainable = self.layout.padded_trainable_numel
+        self.unsharded_trainable = _alias(self._padded_unsharded, 0, n_trainable)
+        self.unsharded_frozen = _alias(self._padded_unsharded, n_trainable, self.layout.padded_unsharded_numel - n_trainable)
+        if self.layout.num_trainable:
+            self.unsharded_trainable.requires_grad_(True)
+            self.unsharded_trainable.register_hook(_weak(self._before_accumulate, self._aliases_made))  # _calls' split nodes lead here
+            self.unsharded_trainable.register_post_accumulate_grad_hook(_weak(self._post_accumulate_grad))
+
+    def follow_unfreezing(self) -> bool:
+        """Take in a parameter frozen at wrapping that requires grad now (gradual unfreezing:
+        Lightning's ``BaseFinetuning`` freezes the backbone before the strategy wraps the model
+        and unfreezes it at a later epoch). The layout put it after the unit's trainable
+        parameters, with no gradient storage; the trainable prefix now grows to take it in with
+        every parameter before it, and those still frozen act as parameters frozen after wrapping
+        (a gradient slot, no ``p.grad``). No value moves: the offsets stay, the gradient layout and
+        the autograd leaf over the unsharded buffer grow (design/notes/after-wrapping.md,
+        "Unfreezing"). The root calls it before each forward, on every rank. Returns whether the
+        prefix grew.
+
+        Refused while a gradient of the unit waits to be reduced (between the micro-batches of a
+        ``no_sync`` accumulation: the prefix would change under it)."""
         n = self.layout.num_trainable
-        for param, slot in zip(self.sharded_params[n:], self.layout.slots[n:]):
-            if param.requires_grad:
-                raise RuntimeError(
-                    f"rank {self.rank}: parameter '{slot.fqn}' of unit '{self.name}' had requires_grad=False "
-                    f"when the model was wrapped and requires grad now. shardwrap lays out each unit's "
-                    f"trainable parameters when it wraps: set requires_grad before wrapping (freezing after "
-                    f"wrapping works; unfreezing does not)"
-                )
+        unfrozen = [i for i in range(n, len(self.sharded_params)) if self.sharded_params[i].requires_grad]
+        if not unfrozen:
+            return False
+        if self.training_state is not TrainingState.IDLE or not self.grad_settled or self._packed is not None or self._accumulated is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: parameter '{self.layout.slots[unfrozen[0]].fqn}' of unit '{self.name}' had "
+                f"requires_grad=False when the model was wrapped and requires grad now, while the unit's "
+                f"gradients of earlier micro-batches wait to be reduced (no_sync). shardwrap gives it gradient "
+                f"storage when it is unfrozen: unfreeze between optimizer steps, after the backward that "
+                f"reduces (or set requires_grad before wrapping)"
+            )
+        if self.shard_in_unsharded and self._grad is GradState.REDUCED:
+            for i in self._row_grads():  # they view the rows of the old leaf's gradient: own them
+                param = self.sharded_params[i]
+                param.grad = param.grad.clone()  # type: ignore[union-attr]
+        end = unfrozen[-1] + 1
+        self.layout.extend_trainable(end)
+        self._specs.clear()  # keyed by id(slot): the slots are new objects
+        for param, slot in zip(self.sharded_params[n:end], self.layout.slots[n:end]):
+            live = param.requires_grad
+            param.requires_grad_(True)  # torch hooks only a leaf that requires grad; one still frozen gets it too
+            self._own_grad_hooks.add(param.register_post_accumulate_grad_hook(self._make_used_outside(slot.fqn)).id)
+            param.requires_grad_(live)
+        self._grad_used += [False] * (end - n)
+        self._used_here += [False] * (end - n)
+        self._make_aliases()
+        return True
 
     def as_dtensor(self, local: torch.Tensor, slot: ParamSlot) -> DTensor:
         """``local`` (this rank's ``torch.chunk`` of a parameter, or of a tensor shaped like it) as
@@ -956,10 +991,23 @@ class Unit:
             )
         self.post_backward()
 
-    def _note_used_grads(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    def _check_leaf(self, made: int) -> None:
+        """Refuse a backward through a graph recorded over a leaf the unit has replaced since
+        (``follow_unfreezing``): its gradient is laid out for the old trainable prefix and has
+        nowhere to go."""
+        if made != self._aliases_made:
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: unit '{self.name}': this backward runs through a graph "
+                f"recorded before a parameter frozen at wrapping was unfrozen, and the unit's gradient layout "
+                f"has grown since. Unfreeze between optimizer steps: after the backward of every forward "
+                f"before it (or set requires_grad before wrapping)"
+            )
+
+    def _note_used_grads(self, made: int, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         """Autograd node pre-hook on the views' split: record which trainable views received a
         gradient (the split's outputs alternate a parameter's piece and its padding; autograd
-        passes None for an output nothing used)."""
+        passes None for an output nothing used). ``made``: the leaf the views are of."""
+        self._check_leaf(made)
         used = self._grad_used
         for i in range(len(used)):
             if grad_outputs[2 * i] is not None:
@@ -1327,7 +1375,7 @@ class Unit:
             # The split node that turns the views' gradients into the flat gradient sees which
             # views got one: a parameter no rank's forward used keeps p.grad None
             # (design/notes/unused-parameters.md).
-            split.register_prehook(_weak(self._note_used_grads))
+            split.register_prehook(_weak(self._note_used_grads, self._aliases_made))
             # It runs once every op that used the views in a backward is done: reshard before it
             # allocates the flat gradient (design/notes/prefetch.md, "Resharding before the flat
             # gradient"), or give the slots back (stage 1)
@@ -1422,13 +1470,17 @@ class Unit:
             if p.grad is not None and local_of(p.grad).untyped_storage().data_ptr() == base
         ]
 
-    def _before_accumulate(self, grad: torch.Tensor) -> None:
+    def _before_accumulate(self, made: int, grad: torch.Tensor) -> None:
         """Tensor hook: autograd is about to add a new gradient into the unsharded gradient.
 
         REDUCED with the shard in the unsharded buffer means the rows of that buffer still hold
         the last reduced gradient, which ``p.grad`` may view: give those ``p.grad`` tensors of
         their own, so they keep accumulating like plain PyTorch, and zero the buffer (-> NONE).
+
+        ``made``: which leaf the hook sits on. One the unit has replaced (``follow_unfreezing``)
+        belongs to a graph recorded before the unfreezing, whose gradient has nowhere to go.
         """
+        self._check_leaf(made)
         if not (self.shard_in_unsharded and self._grad is GradState.REDUCED):
             return
         for i in self._row_grads():

@@ -7,7 +7,9 @@ skipped steps) to ``OUT/<scenario>.pt`` from the first rank.
 A scenario is ``name:strategy:optimizer[:option=value...]``: strategy ``ddp`` or a shardwrap
 string; options ``clip``, ``accumulate``, ``precision``, ``epochs``, ``save`` (a checkpoint path
 written at every epoch end), ``resume`` (a checkpoint to resume from), ``full`` (single-file
-checkpoints), ``inf_at`` (a step at which the last rank's first gradient gets an inf)."""
+checkpoints), ``inf_at`` (a step at which the last rank's first gradient gets an inf), ``finetune``
+(the model built in ``__init__`` and Lightning's ``BaseFinetuning`` freezing ``FROZEN`` before
+the strategy wraps it, then unfreezing ``UNFROZEN`` into a new param group at epoch 1)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelCheckpoint
 
 import shardwrap.lightning  # noqa: F401  (registers the shardwrap_stage_N strings)
 from shardwrap.lightning import ShardwrapStrategy
@@ -52,6 +54,21 @@ class Net(nn.Module):
         return self.head(self.blocks(self.embed(x)))
 
 
+# finetune: frozen before wrapping, the root unit's embed, blocks.0 whole and blocks.1's norm (its
+# unit keeps training its fc); unfrozen at epoch 1: blocks.0 and blocks.1.norm
+FROZEN = ("net.embed", "net.blocks.0", "net.blocks.1.norm")
+UNFROZEN = ("net.blocks.0", "net.blocks.1.norm")
+
+
+class Finetune(BaseFinetuning):
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze([pl_module.get_submodule(name) for name in FROZEN], train_bn=False)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:  # a tenth of the first group's learning rate (initial_denom_lr)
+            self.unfreeze_and_add_param_group([pl_module.get_submodule(name) for name in UNFROZEN], optimizer)
+
+
 class Unresettable(nn.Module):
     """A module that cannot initialize itself (no reset_parameters)."""
 
@@ -80,6 +97,9 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net: nn.Module | None = None
+        if build == "eager":  # built here, as a pretrained backbone is: BaseFinetuning's setup freezes it before configure_model
+            torch.manual_seed(1)
+            self.net = Net()
         self.logged: list[float] = []
         self.skipped: list[bool] = []
 
@@ -123,7 +143,7 @@ class Classifier(pl.LightningModule):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self):
-        opt = make_optimizer(self.hparams.optimizer, self.parameters())
+        opt = make_optimizer(self.hparams.optimizer, [p for p in self.parameters() if p.requires_grad])
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -157,6 +177,8 @@ def run(out: str, devices: int, spec: str) -> None:
     if "save" in options:
         callbacks.append(ModelCheckpoint(dirpath=options["save"], filename="{epoch}", save_top_k=-1, every_n_epochs=1,
                                          save_weights_only="weights" in options))
+    if "finetune" in options:
+        callbacks.append(Finetune())
     chosen: object = strategy
     if "full" in options:
         chosen = ShardwrapStrategy(stage=int(strategy[-1]), save_distributed_checkpoint=False)
@@ -174,7 +196,7 @@ def run(out: str, devices: int, spec: str) -> None:
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing="save" in options, num_sanity_val_steps=0, use_distributed_sampler=True,
     )
-    build = "meta" if "meta" in options else "prewrapped" if "prewrapped" in options else "plain"
+    build = "meta" if "meta" in options else "prewrapped" if "prewrapped" in options else "eager" if "finetune" in options else "plain"
     module = Classifier(optimizer, inf_at=int(options.get("inf_at", -1)), build=build)
     batch = BATCH * (2 // devices)  # one device sees the global batch of two
     train = DataLoader(data(), batch_size=batch, shuffle=False)

@@ -47,6 +47,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "s3_eval:shardwrap_stage_3:sgd:evaluate=1", "ddp_holding:ddp:sgd:prewrapped=1", "s3_meta:shardwrap_stage_3:sgd:meta=1",
         "s2_swa:shardwrap_stage_2:sgd:swa=1:epochs=2",
         f"s3_weights:shardwrap_stage_3:adamw:weights=1:save={ck}w", f"s3_wfull:shardwrap_stage_3:adamw:full=1:weights=1:save={full}w",
+        "s1_ft:shardwrap_stage_1:sgd:finetune=1:epochs=2", "s3_ft:shardwrap_stage_3:sgd:finetune=1:epochs=2",
+        "s2_fta:shardwrap_stage_2:adamw:finetune=1:epochs=2",
     ]
     launch(out, 2, *two)
     exported = os.path.join(out, "exported.ckpt")
@@ -63,18 +65,30 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return results
 
 
-def reference(optimizer: str, *, steps: int, clip: float | None = None, accumulate: int = 1) -> dict[str, torch.Tensor]:
+def reference(
+    optimizer: str, *, steps: int, clip: float | None = None, accumulate: int = 1, finetune: bool = False, unfreeze: bool = True,
+) -> dict[str, torch.Tensor]:
     """The unwrapped model, one process, the global batch of both devices per micro-batch, the
-    worker's optimizer and per-step StepLR; the loss of a micro-batch divided by ``accumulate``."""
+    worker's optimizer and per-step StepLR; the loss of a micro-batch divided by ``accumulate``.
+    ``finetune``: the worker's ``FROZEN`` frozen, and at the first step of epoch 1 (unless not
+    ``unfreeze``) ``UNFROZEN`` unfrozen into a new group at a tenth of the first group's lr."""
     torch.manual_seed(1)
     net = worker.Net()
-    opt = worker.make_optimizer(optimizer, net.parameters())
+    named = lambda prefixes: [p for n, p in net.named_parameters() if f"net.{n}".startswith(prefixes)]  # noqa: E731
+    if finetune:
+        for p in named(worker.FROZEN):
+            p.requires_grad_(False)
+    opt = worker.make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     dataset = worker.data()
     x, y = dataset.tensors
     batch = 2 * worker.BATCH
     per_epoch = len(x) // batch
     for step in range(steps):
+        if finetune and unfreeze and step == per_epoch:
+            for p in named(worker.UNFROZEN):
+                p.requires_grad_(True)
+            opt.add_param_group({"params": named(worker.UNFROZEN), "lr": opt.param_groups[0]["lr"] / 10})
         for micro in range(accumulate):
             epoch, k = divmod(step * accumulate + micro, per_epoch)
             # Lightning's training sampler: DistributedSampler(shuffle=True, seed=0), set_epoch(epoch);
@@ -104,6 +118,17 @@ def test_training_equals_single_process_and_ddp(runs, name):
     assert runs[name]["lr"] == runs["ddp_sgd"]["lr"] == 0.05  # the scheduler stepped 4 times
     # The oracle can fail: one step less, or the loss of one rank's half only, is far away.
     assert max_diff(runs[name]["params"], reference("sgd", steps=3)) > 1e-3
+
+
+@pytest.mark.parametrize("name,optimizer", [("s1_ft", "sgd"), ("s3_ft", "sgd"), ("s2_fta", "adamw")])
+def test_base_finetuning_unfreezes_a_backbone_frozen_before_wrapping(runs, name, optimizer):
+    """Lightning's BaseFinetuning freezes in its setup hook, before the strategy wraps the model,
+    and unfreezes into a new param group at epoch 1: the single-process numbers (DDP cannot do
+    this: it leaves out what was frozen when it wrapped)."""
+    assert max_diff(runs[name]["params"], reference(optimizer, steps=8, finetune=True)) < 1e-5
+    # The oracle can fail: without the unfreezing, or without the freezing, it is far away.
+    assert max_diff(runs[name]["params"], reference(optimizer, steps=8, finetune=True, unfreeze=False)) > 1e-3
+    assert max_diff(runs[name]["params"], reference(optimizer, steps=8)) > 1e-3
 
 
 @pytest.mark.parametrize("name", ["s3_adam", "s3off_adam"])

@@ -1394,6 +1394,7 @@ class ShardedModule(nn.Module):
             self._recover()
         if [unit.follow_unfreezing() for unit in self._units].count(True):  # a unit frozen whole may train now
             self._replica_order = [u for u in reversed(self._units) if u.has_trainable]
+        self._catch_unseen_writes()
         self._fatal_before = len(collectives.fatal_failures())
         for unit in self._units:  # (a graph that may still be owed a backward keeps its leaves' requires_grad)
             unit.follow_requires_grad(allow_off=not self._expect_backward)
@@ -1401,6 +1402,29 @@ class ShardedModule(nn.Module):
             self.schedule.clear()
         self.schedule.start_forward()
         self._spares.open()
+
+    def _catch_unseen_writes(self) -> None:
+        """Stage 1 keeps every unit gathered between forwards and gathers it again where a version
+        counter says its shard was written. A write that bumps none (through ``p.data``, through
+        ``p.to_local()``, or by a ``torch._foreach_*`` op on the parameters: an EMA swapped in for
+        an evaluation and back, DINO's teacher update) reaches this rank's rows only, and the
+        other ranks' rows of the unit would stay stale. So each forward compares a digest of this
+        rank's shard with the one taken at the last forward and marks a unit that changed
+        written: it gathers again. No collective: a forward that gathers nothing stays local, as
+        before (one rank may run forwards the others do not). Such a write is made on every rank,
+        so every rank sees its own rows change, given each holds some of the unit's elements
+        (units where a rank holds none are left out, on every rank); a peer that did not see it
+        meets the header before the gather (design/notes/rank-agreement.md, "Writes no version
+        counter sees"). On a CPU, where the digest costs one pass over the shard and no wait; not
+        for a shard on disk."""
+        if self._switches.reshard_after_backward:
+            return
+        for unit in self._units:
+            if unit.checks_digest:
+                digest = unit.shard_digest()
+                if unit.last_digest is not None and digest != unit.last_digest:
+                    unit.mark_written()
+                unit.last_digest = digest
 
     def _recover(self) -> None:
         """The last forward or backward raised before it finished (a user hook, an autograd
@@ -1719,8 +1743,10 @@ class ShardedModule(nn.Module):
         """Say that the parameters were written in place by something that bumps no version
         counter (``torch._foreach_*`` ops outside an optimizer step, writes through ``p.data`` or
         ``p.to_local()``: an EMA teacher updated so): at stage 1 every unit then gathers again at
-        its next forward instead of computing with the rows it gathered before. Stages 2 and 3
-        gather every forward anyway. Local: call it on every rank, as the write was made."""
+        its next forward instead of computing with the rows it gathered before. On a CPU stage 1
+        finds such writes itself (``_catch_unseen_writes``); a GPU or a shard on disk needs this.
+        Stages 2 and 3 gather every forward anyway. Local: call it on every rank, as the write
+        was made."""
         for unit in self._units:
             unit.mark_written()
 

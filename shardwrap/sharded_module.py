@@ -1412,15 +1412,15 @@ class ShardedModule(nn.Module):
         rank's shard with the one taken at the last forward and marks a unit that changed
         written: it gathers again. No collective: a forward that gathers nothing stays local, as
         before (one rank may run forwards the others do not). Such a write is made on every rank,
-        so every rank sees its own rows change, given each holds some of the unit's elements
-        (units where a rank holds none are left out, on every rank); a peer that did not see it
-        meets the header before the gather (design/notes/rank-agreement.md, "Writes no version
-        counter sees"). On a CPU, where the digest costs one pass over the shard and no wait; not
-        for a shard on disk."""
+        so every rank sees its own rows change where each holds rows of the parameter: the digest
+        covers only those parameters (``Unit.digest_params``). A write that changes one rank's
+        rows and not another's leaves the ranks deciding differently (design/notes/rank-agreement.md,
+        "Writes no version counter sees", says what follows). On a CPU, where the digest costs one
+        pass over the shard and no wait; not for a shard on disk."""
         if self._switches.reshard_after_backward:
             return
         for unit in self._units:
-            if unit.checks_digest:
+            if unit.digest_params:
                 digest = unit.shard_digest()
                 if unit.last_digest is not None and digest != unit.last_digest:
                     unit.mark_written()
@@ -1744,8 +1744,9 @@ class ShardedModule(nn.Module):
         counter (``torch._foreach_*`` ops outside an optimizer step, writes through ``p.data`` or
         ``p.to_local()``: an EMA teacher updated so): at stage 1 every unit then gathers again at
         its next forward instead of computing with the rows it gathered before. On a CPU stage 1
-        finds such writes itself (``_catch_unseen_writes``); a GPU or a shard on disk needs this.
-        Stages 2 and 3 gather every forward anyway. Local: call it on every rank, as the write
+        finds such writes itself (``_catch_unseen_writes``), except to a parameter with fewer rows
+        than ranks; those, a GPU and a shard on disk need this.
+        Stages 2 and 3 gather at every step anyway. Local: call it on every rank, as the write
         was made."""
         for unit in self._units:
             unit.mark_written()

@@ -38,7 +38,7 @@ from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, U
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.spare import Spares
 from shardwrap.stage import Stage
-from shardwrap.unit import GradState, Slot, TrainingState, Unit, local_of, outside_checkpoint_modes, outside_compile
+from shardwrap.unit import DataState, GradState, Slot, TrainingState, Unit, local_of, outside_checkpoint_modes, outside_compile
 from shardwrap.wrap import PolicyLike, as_policy, has_forward
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -1404,27 +1404,34 @@ class ShardedModule(nn.Module):
         self._spares.open()
 
     def _catch_unseen_writes(self) -> None:
-        """Stage 1 keeps every unit gathered between forwards and gathers it again where a version
-        counter says its shard was written. A write that bumps none (through ``p.data``, through
-        ``p.to_local()``, or by a ``torch._foreach_*`` op on the parameters: an EMA swapped in for
-        an evaluation and back, DINO's teacher update) reaches this rank's rows only, and the
-        other ranks' rows of the unit would stay stale. So each forward compares a digest of this
-        rank's shard with the one taken at the last forward and marks a unit that changed
-        written: it gathers again. No collective: a forward that gathers nothing stays local, as
-        before (one rank may run forwards the others do not). Such a write is made on every rank,
-        so every rank sees its own rows change where each holds rows of the parameter: the digest
-        covers only those parameters (``Unit.digest_params``). A write that changes one rank's
-        rows and not another's leaves the ranks deciding differently (design/notes/rank-agreement.md,
-        "Writes no version counter sees", says what follows). On a CPU, where the digest costs one
-        pass over the shard and no wait; not for a shard on disk."""
-        if self._switches.reshard_after_backward:
-            return
+        """A unit left gathered since the last forward is computed with again without a gather,
+        unless a version counter says its shard was written: at stage 1 between any two
+        forwards, at stages 2 and 3 between forwards that share one backward. A write that bumps
+        none (through ``p.data``, through ``p.to_local()``, or by a ``torch._foreach_*`` op on the
+        parameters: an EMA swapped in for an evaluation and back, DINO's teacher update) reaches
+        this rank's rows only, and the other ranks' rows of the unit would stay stale. So each
+        forward checks this rank's shard of every gathered unit and marks one that changed
+        written: it gathers again. Where the shard has storage of its own, it is compared bit for
+        bit with the rank's rows of the unsharded buffer; where it lives there (stage 1 without
+        mixed precision or offload), a digest of it is compared with the one taken at the last
+        forward. No collective: a forward that gathers nothing stays local, as before (one rank
+        may run forwards the others do not). Such a write is made on every rank, so every rank
+        sees its own rows change where each holds rows of the parameter: the check covers only
+        those parameters (``Unit.digest_params``). A write that changes one rank's rows and not
+        another's leaves the ranks deciding differently (design/notes/rank-agreement.md, "Writes
+        no version counter sees", says what follows). On a CPU, where the check costs one pass
+        over the shard and no wait; not for a shard on disk."""
         for unit in self._units:
-            if unit.digest_params:
-                digest = unit.shard_digest()
-                if unit.last_digest is not None and digest != unit.last_digest:
+            if not unit.digest_params:
+                continue
+            if not unit.shard_in_unsharded:
+                if unit.data_state is DataState.UNSHARDED and not unit.gathered_rows_hold_shard():
                     unit.mark_written()
-                unit.last_digest = digest
+                continue
+            digest = unit.shard_digest()
+            if unit.last_digest is not None and digest != unit.last_digest:
+                unit.mark_written()
+            unit.last_digest = digest
 
     def _recover(self) -> None:
         """The last forward or backward raised before it finished (a user hook, an autograd
@@ -1742,12 +1749,12 @@ class ShardedModule(nn.Module):
     def mark_written(self) -> None:
         """Say that the parameters were written in place by something that bumps no version
         counter (``torch._foreach_*`` ops outside an optimizer step, writes through ``p.data`` or
-        ``p.to_local()``: an EMA teacher updated so): at stage 1 every unit then gathers again at
-        its next forward instead of computing with the rows it gathered before. On a CPU stage 1
+        ``p.to_local()``: an EMA teacher updated so): a unit left gathered (every unit at stage
+        1; at stages 2 and 3, between forwards that share one backward) then gathers again at its
+        next forward instead of computing with the rows it gathered before. On a CPU the root
         finds such writes itself (``_catch_unseen_writes``), except to a parameter with fewer rows
-        than ranks; those, a GPU and a shard on disk need this.
-        Stages 2 and 3 gather at every step anyway. Local: call it on every rank, as the write
-        was made."""
+        than ranks; those, a GPU and a shard on disk need this. Local: call it on every rank, as
+        the write was made."""
         for unit in self._units:
             unit.mark_written()
 

@@ -48,6 +48,9 @@ from shardwrap.stage import Stage
 if TYPE_CHECKING:
     from shardwrap.sharded_module import ShardedModule
 
+# An integer dtype per element size: a tensor viewed as one compares bit for bit
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class DataState(Enum):
     """Where a unit's parameters live right now."""
@@ -453,7 +456,7 @@ class Unit:
         # unit's own all-gathers (stage 1 keeps its shard in the unsharded buffer)
         self._steps_written = 0
         self._own_bumps = 0
-        self.last_digest: int | None = None  # shard_digest at the root's last forward (stage 1 on a CPU)
+        self.last_digest: int | None = None  # shard_digest at the root's last forward (shard_in_unsharded, on a CPU)
         # The parameters whose shards the root's digest covers (ShardedModule._catch_unseen_writes):
         # only those every rank holds rows of, so that a write to them changes every rank's digest,
         # and the same list on every rank; none on a GPU, with one rank, or for a shard on disk
@@ -763,18 +766,28 @@ class Unit:
         self._writes += 1
 
     def shard_digest(self) -> int:
-        """A digest of this rank's shards of the parameters in ``digest_params`` (its rows of the
-        unsharded buffer when the shard lives there): their bytes summed as int64 words, which a
-        write that no version counter saw still changes (``ShardedModule._catch_unseen_writes``)."""
-        if self._sharded_storage is not None:
-            views = self.layout.sharded_views(self._sharded_storage.narrow(0, 0, self.layout.shard_numel), self.rank)
-        else:
-            views = self.layout.rank_views_of_unsharded(self._padded_unsharded, self.rank)
+        """Where the shard lives in the unsharded buffer (stage 1): a digest of this rank's rows of
+        the parameters in ``digest_params``, their bytes summed as int64 words, which a write that
+        no version counter saw still changes (``ShardedModule._catch_unseen_writes``)."""
+        assert self.shard_in_unsharded
+        views = self.layout.rank_views_of_unsharded(self._padded_unsharded, self.rank)
         flat = torch.cat([views[i].reshape(-1) for i in self.digest_params])  # a new tensor: starts at a word boundary
         raw = flat.view(torch.uint8)
         whole = raw.numel() // 8 * 8
         # Summed as int64 words (vectorized): the narrower integer views sum 20-40x slower
         return int(raw.narrow(0, 0, whole).view(torch.int64).sum()) + int(raw.narrow(0, whole, raw.numel() - whole).sum(dtype=torch.int64))
+
+    def gathered_rows_hold_shard(self) -> bool:
+        """A unit gathered from a shard of its own (not stage 1's shard in the unsharded buffer):
+        whether this rank's rows of the unsharded buffer still hold its shard of the parameters in
+        ``digest_params``, cast to ``param_dtype``, bit for bit. A write that no version counter
+        saw (``ShardedModule._catch_unseen_writes``) makes them differ; comparing the bits, not
+        the values, keeps a NaN from reading as a write."""
+        assert self._sharded_storage is not None and self._data is DataState.UNSHARDED
+        shard = self.layout.sharded_views(self._sharded_storage.narrow(0, 0, self.layout.shard_numel), self.rank)
+        rows = self.layout.rank_views_of_unsharded(self._padded_unsharded, self.rank)
+        bits = _SAME_SIZE_INT[self.param_dtype.itemsize]
+        return all(torch.equal(shard[i].to(self.param_dtype).view(bits), rows[i].view(bits)) for i in self.digest_params)
 
     def mark_written(self) -> None:
         """The shard was (or may be) written through its local views, which bump no version

@@ -33,6 +33,7 @@ from shardwrap import agreement, collectives, local_step
 from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
+from shardwrap.fully_shard_api import FullyShardMethods, install as install_fully_shard_methods
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
@@ -813,7 +814,7 @@ def _refuse_resize(name: str) -> Callable[..., NoReturn]:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(FullyShardMethods, nn.Module):
     """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
     ``shardwrap.Stage`` gives the switches directly).
 
@@ -993,6 +994,8 @@ class ShardedModule(nn.Module):
             hooked.register_forward_pre_hook(outside_compile(outside_checkpoint_modes(unit.pre_forward)), prepend=True, with_kwargs=True)
             hooked.register_forward_hook(outside_compile(outside_checkpoint_modes(unit.post_forward)))
             self._unit_of_module[id(plan.module)] = (plan.module, unit)
+            if plan.module is not module:
+                install_fully_shard_methods(self, unit, plan.module)
             built[i] = unit
             plan.params = []  # the full tensors: free them now, not when __init__ returns
 
@@ -1370,7 +1373,48 @@ class ShardedModule(nn.Module):
         """The unit owning the sharded parameter ``param`` and its index there, or None."""
         return self._unit_of.get(id(param))
 
+    def unit_of_module(self, module: nn.Module) -> Unit | None:
+        """The unit whose module is ``module`` (this wrapper or its model: the root unit), or None."""
+        if module is self or module is self.module:
+            return self._units[0]
+        found = self._unit_of_module.get(id(module))
+        return found[1] if found is not None and found[0] is module else None
+
+    def module_of_unit(self, unit: Unit) -> nn.Module:
+        """The module ``unit`` was made for (the model itself for the root unit)."""
+        return next(m for m, u in self._unit_of_module.values() if u is unit)
+
+    # ---- fully_shard's per-module methods (shardwrap/fully_shard_api.py) -------------------------
+
+    def _fs_root(self) -> ShardedModule:
+        return self
+
+    def _fs_own(self) -> list[Unit]:
+        return [self._units[0]]
+
+    def _fs_reach(self, recurse: bool) -> list[Unit]:
+        return list(self._units) if recurse else [self._units[0]]
+
+    def _fs_name(self) -> str:
+        return self._units[0].name
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: clean up now what the next forward would
+        (wait for the collectives it left in flight, drop its gradients, free every unit), as
+        ``fully_shard``'s root method does. Call it on every rank."""
+        self.refuse_out_of_step("reset_iter_state()")
+        if torch._C._current_graph_task_id() != -1 or self._in_call:
+            raise RuntimeError("reset_iter_state() during a forward or backward; call it after the one that raised")
+        if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
+            self._recover()
+
     # ---- the root's part of a step (the units call these) ---------------------------------------
+
+    @property
+    def backward_running(self) -> bool:
+        """Whether a backward of this model has started and not ended (no side effects, unlike
+        ``in_backward``)."""
+        return self._state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1
 
     def in_backward(self) -> bool:
         """Whether a backward of this model is running. A unit's forward then is activation
@@ -1609,7 +1653,7 @@ class ShardedModule(nn.Module):
             unit.unshard()
             schedule.gathered_ahead()
         recomputable = [u for u in self._units if u.recomputable]
-        if recomputable and self._switches.reshard_after_forward:
+        if any(u.stage.reshard_after_forward for u in recomputable):
             self._check_end_of_backward(recomputable[0])
         if self._sync:
             for unit in schedule.skipped_reductions():
@@ -1637,7 +1681,7 @@ class ShardedModule(nn.Module):
             self._settle_unused_grads()
         for unit in self._units:
             unit.end_backward()
-            if self._switches.reshard_after_backward:
+            if unit.stage.reshard_after_backward:
                 unit.reshard()
             else:
                 unit.restore_params()

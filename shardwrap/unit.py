@@ -267,9 +267,24 @@ if not hasattr(DTensor._reduce_ex_internal, "__wrapped__"):  # once, also if thi
     DTensor.__deepcopy__ = _deepcopy_dtensor_at_any_offset(DTensor.__deepcopy__)  # type: ignore[method-assign]
 
 
-def _average_grad(summed: torch.Tensor, world_size: int) -> None:
-    """Turn the reduce-scatter's sum over ranks into DDP's average, in place."""
-    summed.div_(world_size)
+def _split_divisor(divisor: float, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after): what a gradient is divided by before the reduction's sum and after it.
+    fp16 holds sums only up to 65504, so a sum over ranks of gradients whose mean fits could
+    overflow: there the smallest power of two at least the divisor's square root, dividing it
+    exactly, goes before (the other factor after, so small gradients keep their bits). Every
+    other reduce dtype divides after the sum, once."""
+    if reduce_dtype is not torch.float16:
+        return 1.0, divisor
+    before = 1.0
+    while divisor % (before * 2) == 0 and before * before < divisor:
+        before *= 2
+    return before, divisor / before
+
+
+def _average_grad(summed: torch.Tensor, divisor: float) -> None:
+    """Turn the reduce-scatter's sum over ranks into DDP's average (``divisor``: the number of
+    ranks, or the unit's ``divide_factor``), in place."""
+    summed.div_(divisor)
 
 
 def _to_device(values: list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -456,6 +471,11 @@ class Unit:
         # unit's own all-gathers (stage 1 keeps its shard in the unsharded buffer)
         self._steps_written = 0
         self._own_bumps = 0
+        # fully_shard's per-module settings (shardwrap/fully_shard_api.py): what the summed gradient
+        # is divided by instead of the number of ranks, and the units to gather once this one is
+        # gathered in forward instead of the next in the last step's order
+        self.divide_factor: float | None = None
+        self.forward_prefetch_units: list[Unit] | None = None
         self.last_digest: int | None = None  # shard_digest at the root's last forward (shard_in_unsharded, on a CPU)
         # The parameters whose shards the root's digest covers (ShardedModule._catch_unseen_writes):
         # only those every rank holds rows of, so that a write to them changes every rank's digest,
@@ -671,6 +691,17 @@ class Unit:
         if self._data is DataState.UNSHARDED and self._shard_version() != self._gathered_version:
             return DataState.UNSHARDED_STALE
         return self._data
+
+    @property
+    def grad_divisor(self) -> float:
+        """What the summed gradient is divided by: the number of ranks that summed it (DDP's
+        average), unless ``set_gradient_divide_factor`` set another. Under an fp16 reduce a part
+        of it comes before the sum (``_split_divisor``); the rest is ``grad_divisor_after``."""
+        return self.divide_factor if self.divide_factor is not None else self.world_size * self.replicas
+
+    @property
+    def grad_divisor_after(self) -> float:
+        return _split_divisor(self.grad_divisor, self.reduce_dtype)[1]
 
     @property
     def unsharded_buffer(self) -> torch.Tensor:
@@ -889,7 +920,7 @@ class Unit:
         schedule.arrived(self)
         self.unshard()
         if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1 and self.device.type == "cpu"
-                and self.store is None and not self.stage.reshard_after_forward and self.stage.reshard_after_backward
+                and self.store is None and all(not u.stage.reshard_after_forward and u.stage.reshard_after_backward for u in root.units)
                 and torch.is_grad_enabled() and module.training):
             # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
@@ -897,8 +928,12 @@ class Unit:
                 rest[0].check_in(following=rest)
             for unit in rest:
                 unit.unshard(async_op=True, checked_in=True)
-        ahead = schedule.forward_prefetch(self)
-        if ahead is not None:
+        if self.forward_prefetch_units is not None:  # set_modules_to_forward_prefetch
+            for ahead in self.forward_prefetch_units:
+                if ahead.needs_gather and ahead not in schedule.prefetched:
+                    schedule.prefetched.add(ahead)
+                    ahead.unshard(async_op=True)
+        elif (ahead := schedule.forward_prefetch(self)) is not None:
             ahead.unshard(async_op=True)
         root._spares.drop()  # the allocations that could reuse them are made: none waits through compute
         self._forward_views = self._install_unsharded_views()
@@ -1210,15 +1245,15 @@ class Unit:
         GPU"). A CPU-only run averages the reduced shard where it is when it has the master dtype
         (it is already host memory, and this unit's own buffer), and otherwise copies host to host."""
         if self.device.type != "cuda" and reduced.dtype == self.dtype and reduced.device == self.shard_device:
-            _average_grad(reduced, self.world_size * self.replicas)
+            _average_grad(reduced, self.grad_divisor_after)
             return reduced
         host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
         if self.device.type != "cuda":
             host.copy_(reduced)
-            _average_grad(host, self.world_size * self.replicas)
+            _average_grad(host, self.grad_divisor_after)
             return host
         averaged = reduced.to(self.dtype)  # reduced is this unit's own buffer: averaging in place is safe
-        _average_grad(averaged, self.world_size * self.replicas)
+        _average_grad(averaged, self.grad_divisor_after)
         stream, compute = self._root.copy_stream(self.device, "to host"), torch.cuda.current_stream(self.device)
         if compute != stream:  # (finish_grad_beside_compute runs all of this on the copy stream)
             stream.wait_stream(compute)  # after the average (and the reduction it reads)
@@ -1607,6 +1642,9 @@ class Unit:
         self._used_here = [a or b for a, b in zip(self._used_here, self._grad_used)]
         self._grad_used = [False] * n
         output = torch.empty(S + n, dtype=self.reduce_dtype, device=self.device)
+        before = _split_divisor(self.grad_divisor, self.reduce_dtype)[0]
+        if packed is not None and before != 1:  # fp16: part of the average before the sum (the flags are set after)
+            packed.div_(before)
         if self._reduces_directly():
             # Rank r is sent its chunk of each parameter's gradient straight from the
             # parameter-major sum, and the used-flags; the chunks arrive in this rank's shard
@@ -1736,7 +1774,7 @@ class Unit:
             sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:
             sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
-            _average_grad(sharded_grad, self.world_size * self.replicas)
+            _average_grad(sharded_grad, self.grad_divisor_after)
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad

@@ -570,3 +570,33 @@ def test_mixed_precision_casts_each_units_inputs_like_fully_shard(kind, stage, o
     for r in run_on_ranks(2, on_ranks_input_casts, kind, stage, optim):
         assert r["to fully_shard"] < 1e-6, r
         assert r["to single"] <= r["fully_shard to single"] + 1e-6, r  # no further from fp32 than fully_shard
+
+
+def on_ranks_fp16_sum(stage: int, pure: bool, per_rank: float) -> tuple[torch.Tensor, bool]:
+    import torch.nn as nn
+
+    from shardwrap import MixedPrecision, ShardedModule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    if pure:
+        model.half()
+    model = ShardedModule(model, auto_wrap_policy={nn.Linear}, stage=stage,
+                          mixed_precision=None if pure else MixedPrecision(param_dtype=torch.float16))
+    x = torch.full((2, 4), per_rank / 2, dtype=torch.float16 if pure else torch.float32)
+    model[0](x).float().sum().backward()  # each rank's weight gradient: per_rank everywhere
+    grad = dict(model.named_parameters())["0.weight"].grad.full_tensor().float()
+    torch.optim.SGD(model.parameters(), lr=1e-6).step()
+    return grad, bool(dict(model.named_parameters())["0.weight"].full_tensor().isfinite().all())
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["mixed-fp16", "model-half"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world_size, per_rank", [(2, 40000.0), (4, 20000.0)])
+def test_an_fp16_reduce_keeps_a_gradient_whose_mean_fits(world_size, per_rank, stage, pure):
+    """An fp16 reduce summed the ranks' gradients and divided after: a mean that fits fp16
+    (65504) whose sum does not came out inf, silently (an audit; ``fully_shard`` divides part
+    before the sum). Now a power of two near the square root of the rank count goes before it,
+    as there: at W=2 the whole average, at W=4 half of it."""
+    for grad, finite in run_on_ranks(world_size, on_ranks_fp16_sum, stage, pure, per_rank):
+        assert torch.equal(grad, torch.full((4, 4), per_rank)) and finite, grad

@@ -1,0 +1,313 @@
+"""``fully_shard``'s per-module methods (``FSDPModule``'s) on the ShardedModule and on each unit's
+module: a loop written for ``fully_shard`` runs unchanged and trains like one process
+(design/notes/fully-shard-methods.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from harness import run_on_ranks
+
+WORLD = 2
+
+
+def batch(step: int, rank: int | None = None, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(n, 16, generator=g), torch.randn(n, 5, generator=g)
+    return (x, y) if rank is None else (x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+
+
+def optimizer(model: nn.Module, optim: str) -> torch.optim.Optimizer:
+    if optim == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    if hasattr(model, "full_state_dict"):
+        return model.full_state_dict(rank0_only=False)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def wrap(stage: int) -> nn.Module:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    return ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+
+
+# ---- the pytorch/examples FSDP2 loop --------------------------------------------------------------
+
+
+def examples_loop(model: nn.Module, rank: int | None, optim: str) -> dict[str, torch.Tensor]:
+    """The shape of pytorch/examples' FSDP2 example: explicit prefetching set on the blocks, the
+    root gathered ahead of each forward, torch's clipping."""
+    blocks = model.blocks
+    if rank is not None:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(list(blocks[i + 1 : i + 3]))
+            block.set_modules_to_backward_prefetch(list(blocks[max(0, i - 2) : i][::-1]))
+    opt = optimizer(model, optim)
+    for step in range(3):
+        if rank is not None:
+            model.unshard()
+        x, y = batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def on_ranks_examples(stage: int, optim: str) -> dict:
+    from shardwrap.unit import DataState
+
+    model = wrap(stage)
+    ahead: list[bool] = []  # at blocks.0's forward: blocks.2 is being gathered or is gathered
+    model.blocks[0].register_forward_pre_hook(lambda *_: ahead.append(model.units[3].data_state is not DataState.SHARDED))
+    out = examples_loop(model, dist.get_rank(), optim)
+    out["ahead"] = ahead
+    return out
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_fsdp2_examples_loop_runs_unchanged_and_trains_like_one_process(stage, optim):
+    torch.manual_seed(0)
+    expected = examples_loop(models.mlp(), None, optim)
+    for got in run_on_ranks(WORLD, on_ranks_examples, stage, optim):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # blocks.0 prefetches blocks.1 and blocks.2 (stage 1 keeps every unit gathered)
+        assert got["ahead"] == [True] * 3, got["ahead"]
+
+
+# ---- gradient accumulation with set_requires_gradient_sync ----------------------------------------
+
+
+def accumulate(model: nn.Module, rank: int | None, optim: str, on: str) -> dict:
+    """Two steps of three micro-batches each; the loop turns gradient sync on for the last only,
+    on the root or (``on="block"``) on one block with ``recurse=False``, as a loop over a
+    model's sharded modules does."""
+    opt = optimizer(model, optim)
+    reductions = []
+    for step in range(2):
+        for micro in range(3):
+            if rank is not None:
+                from shardwrap import collectives
+
+                target = model if on == "root" else model.blocks[1]
+                kwargs = {} if on == "root" else {"recurse": False}
+                target.set_requires_gradient_sync(micro == 2, **kwargs)
+                with collectives.count_collectives() as counts:
+                    x, y = batch(10 * step + micro, rank)
+                    (((model(x) - y) ** 2).mean() / 3).backward()
+                reductions.append(counts["reduce_scatter_calls"])
+            else:
+                x, y = batch(10 * step + micro)
+                (((model(x) - y) ** 2).mean() / 3).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": full_params(model), "reductions": reductions}
+
+
+def on_ranks_accumulate(stage: int, optim: str, on: str) -> dict:
+    return accumulate(wrap(stage), dist.get_rank(), optim, on)
+
+
+@pytest.mark.parametrize("on", ["root", "block"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_set_requires_gradient_sync_accumulates_without_communication_like_one_process(stage, optim, on):
+    torch.manual_seed(0)
+    expected = accumulate(models.mlp(), None, optim, on)["params"]
+    for got in run_on_ranks(WORLD, on_ranks_accumulate, stage, optim, on):
+        for name, value in expected.items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        silent = [n for i, n in enumerate(got["reductions"]) if i % 3 != 2]
+        assert silent == [0] * 4 and all(n > 0 for n in got["reductions"][2::3]), got["reductions"]
+
+
+# ---- set_gradient_divide_factor -------------------------------------------------------------------
+
+
+def summed_loss_training(model: nn.Module, rank: int | None, optim: str) -> dict:
+    """torchtitan's recipe for a loss normalized by the global number of tokens: each rank sums
+    its tokens' losses over that number, and every sharded module's gradient is summed over the
+    ranks (divide factor 1), found the way such loops find them."""
+    if rank is not None:
+        for module in [model, *model.modules()]:
+            if callable(getattr(module, "set_gradient_divide_factor", None)):
+                module.set_gradient_divide_factor(1.0)
+    opt = optimizer(model, optim)
+    for step in range(3):
+        x, y = batch(step, rank)
+        global_count = 8 * 5
+        (((model(x) - y) ** 2).sum() / global_count).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def on_ranks_summed(stage: int, optim: str) -> dict:
+    return summed_loss_training(wrap(stage), dist.get_rank(), optim)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_gradient_divide_factor_of_one_sums_a_globally_normalized_loss_like_one_process(stage, optim):
+    torch.manual_seed(0)
+    expected = summed_loss_training(models.mlp(), None, optim)
+    for got in run_on_ranks(WORLD, on_ranks_summed, stage, optim):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ---- resharding settings, unshard and reshard -----------------------------------------------------
+
+
+def switching(model: nn.Module, rank: int | None, optim: str, stage: int) -> dict:
+    """Steps under changing reshard settings: stage 3 -> 2 -> 3 for the whole model, one block
+    kept gathered after forward, and (from stage 2) units kept gathered after backward through
+    an accumulation window; the root gathered by hand, and freed by hand."""
+    from shardwrap.unit import DataState
+
+    opt = optimizer(model, optim)
+    seen = []
+
+    def gathered() -> list[bool]:
+        return [u.data_state is DataState.UNSHARDED for u in model.units]
+
+    for step in range(5):
+        if rank is not None:
+            if step == 1:
+                model.set_reshard_after_forward(False)
+            if step == 2:
+                model.set_reshard_after_forward(stage == 3)
+                model.blocks[0].set_reshard_after_forward(False, recurse=False)
+            if step == 3 and stage == 2:
+                model.set_reshard_after_backward(False)
+            if step == 4:
+                model.set_reshard_after_backward(True)
+                model.set_reshard_after_forward(stage == 3)
+                handle = model.blocks[1].unshard(async_op=True)
+                handle.wait()
+                model.unshard()
+                seen.append(("unshard", gathered()))
+        for micro in range(2):
+            x, y = batch(10 * step + micro, rank)
+            loss = ((model(x) - y) ** 2).mean() / 2
+            if rank is not None:
+                seen.append((f"after forward {step}", gathered()))
+            loss.backward()
+        if rank is not None:
+            seen.append((f"after backward {step}", gathered()))
+        opt.step()
+        opt.zero_grad()
+    if rank is not None:
+        model.unshard()
+        model.reshard()
+        seen.append(("reshard", gathered()))
+    return {"params": full_params(model), "seen": dict(seen)}
+
+
+def on_ranks_switching(stage: int, optim: str) -> dict:
+    return switching(wrap(stage), dist.get_rank(), optim, stage)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reshard_settings_unshard_and_reshard_change_memory_not_numbers(stage, optim):
+    torch.manual_seed(0)
+    expected = switching(models.mlp(), None, optim, stage)["params"]
+    s3 = stage == 3
+    for got in run_on_ranks(WORLD, on_ranks_switching, stage, optim):
+        for name, value in expected.items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        seen = got["seen"]  # units: root, blocks.0, blocks.1, blocks.2
+        # stage 3 frees a block after its forward, except the last (its backward comes first)
+        assert seen["after forward 0"] == [True, not s3, not s3, True], seen
+        assert seen["after forward 1"] == [True, True, True, True], seen  # reshard_after_forward=False
+        assert seen["after forward 2"] == [True, True, not s3, True], seen  # blocks.0 alone kept
+        assert seen["after backward 2"] == [False] * 4, seen
+        assert seen["after backward 3"] == ([True] * 4 if stage == 2 else [False] * 4), seen  # kept after backward
+        assert seen["unshard"] == [True, False, True, False], seen
+        assert seen["reshard"] == [False] * 4, seen
+
+
+def refusals(stage: int) -> list[str]:
+    model = wrap(stage)
+    messages = []
+
+    def expect(exc_type: type, call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            call()
+        except exc_type as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+
+    if stage == 1:
+        expect(ValueError, lambda: model.set_reshard_after_forward(True))
+        expect(ValueError, lambda: model.blocks[0].set_reshard_after_backward(True))
+    else:
+        if stage == 3:
+            expect(ValueError, lambda: model.set_reshard_after_backward(False))
+        expect(ValueError, lambda: model.set_reshard_after_forward(1))
+        x, y = batch(0, dist.get_rank())
+        loss = ((model(x) - y) ** 2).mean()
+        expect(RuntimeError, lambda: model.set_reshard_after_forward(stage == 2))  # between forward and backward
+        expect(RuntimeError, lambda: model.blocks[0].reshard())
+        loss.backward()
+    expect(ValueError, lambda: model.blocks[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
+    expect(ValueError, lambda: model.set_gradient_divide_factor(0.0))
+    expect(NotImplementedError, lambda: model.blocks[1].set_custom_all_gather(object()))
+    model.set_is_last_backward(False)
+    model.set_post_optim_event(None)
+    model.blocks[0].set_unshard_in_backward(False)
+    # the model trains on, like one process
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        x, y = batch(step, dist.get_rank())
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    messages.append(full_params(model))
+    return messages
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_settings_shardwrap_cannot_honour_are_refused_with_what_to_do(stage):
+    for got in run_on_ranks(WORLD, refusals, stage):
+        *messages, params = got
+        if stage == 1:
+            assert "stage 1" in messages[0] and "'<root>'" in messages[0], messages
+            assert "stage 1" in messages[1] and "'blocks.0'" in messages[1], messages
+        else:
+            if stage == 3:
+                assert "'<root>'" in messages[0] and "reshard_after_forward=True" in messages[0], messages
+                messages = messages[1:]
+            assert "should be a bool" in messages[0], messages
+            assert "between a forward and its backward" in messages[1], messages
+            assert "between a forward and its backward" in messages[2] and "'blocks.0'" in messages[2], messages
+            messages = messages[3:]
+        assert "Linear is not a unit" in messages[-3] and "'blocks.0'" in messages[-3], messages
+        assert "factor must be" in messages[-2], messages
+        assert "set_custom_all_gather" in messages[-1] and "'blocks.1'" in messages[-1], messages
+        torch.manual_seed(0)
+        reference = models.mlp()
+        opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        if stage != 1:  # the backward of the forward the refusals came between, not stepped
+            x, y = batch(0)
+            ((reference(x) - y) ** 2).mean().backward()
+        for step in range(2):
+            x, y = batch(step)
+            ((reference(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for name, value in full_params(reference).items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -98,8 +98,8 @@ class ShardwrapStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         switches = Stage.of(stage)  # an unknown stage fails here, before any process starts
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"ShardwrapStrategy: mixed_precision={mixed_precision!r}; pass shardwrap.MixedPrecision(...) or None")
+        if mixed_precision is not None:  # torch's MixedPrecisionPolicy is taken too; anything else fails here
+            mixed_precision = MixedPrecision.of(mixed_precision)
         super().__init__(**kwargs)
         self.stage = stage
         self._switches = switches

@@ -18,20 +18,43 @@ import torch
 class MixedPrecision:
     """``param_dtype``: all-gather and compute. ``reduce_dtype``: gradient reduce-scatter
     (defaults to ``param_dtype``). ``buffer_dtype``: buffers are cast to it once, at wrap time
-    (``None`` keeps each buffer's dtype)."""
+    (``None`` keeps each buffer's dtype). ``output_dtype``: each unit's floating outputs are cast
+    to it (``None``: left as computed). ``cast_forward_inputs``: each unit casts its floating
+    inputs to ``param_dtype``. The last two, and ``param_dtype`` and ``reduce_dtype``, mean what
+    they mean in ``fully_shard``'s ``MixedPrecisionPolicy``, which ``of`` turns into this."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            if f.name == "cast_forward_inputs":
+                if not isinstance(value, bool):
+                    raise ValueError(f"MixedPrecision(cast_forward_inputs={value!r}): expected True or False")
+            elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(
                     f"MixedPrecision({f.name}={value!r}): expected a floating torch.dtype such as "
                     f"torch.bfloat16 or torch.float16, or None"
                 )
+
+    @staticmethod
+    def of(policy: Any) -> "MixedPrecision":
+        """``policy`` itself, or ``fully_shard``'s ``MixedPrecisionPolicy`` with the same meaning."""
+        if isinstance(policy, MixedPrecision):
+            return policy
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if isinstance(policy, MixedPrecisionPolicy):
+            return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                  output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+        raise TypeError(
+            f"ShardedModule: mixed_precision={policy!r}; pass shardwrap.MixedPrecision(param_dtype=..., "
+            f"reduce_dtype=...), torch's MixedPrecisionPolicy, or None"
+        )
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

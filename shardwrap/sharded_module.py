@@ -865,11 +865,8 @@ class ShardedModule(FullyShardMethods, nn.Module):
                 )
         originals = list(module.named_parameters())
         switches = Stage.of(stage)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"ShardedModule: mixed_precision={mixed_precision!r}; pass "
-                f"shardwrap.MixedPrecision(param_dtype=..., reduce_dtype=...) or None"
-            )
+        if mixed_precision is not None:
+            mixed_precision = MixedPrecision.of(mixed_precision)
         if isinstance(max_unsharded, bool) or not isinstance(max_unsharded, int) or max_unsharded < 1:
             raise ValueError(
                 f"ShardedModule: max_unsharded={max_unsharded!r}; it counts the running unit plus "
@@ -984,6 +981,7 @@ class ShardedModule(FullyShardMethods, nn.Module):
                 slots=plan.slots, mesh=self.shard_mesh, reduce_group=reduce_group, stage=switches,
                 dtensor_mesh=self.dtensor_mesh, replicate_group=self.replicate_group, tensor_parallel=tp,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
+                output_dtype=self.mixed_precision.output_dtype, cast_inputs=self.mixed_precision.cast_forward_inputs,
                 store=store, device=device,
             )
             for j, (old, new) in enumerate(zip(plan.params, unit.sharded_params)):

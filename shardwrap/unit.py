@@ -388,6 +388,8 @@ class Unit:
         tensor_parallel: Sequence[TensorParallel | None] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+        cast_inputs: bool = True,
         store: OffloadStore | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -434,7 +436,8 @@ class Unit:
         self.shard_device = torch.device("cpu") if store is not None else self.device  # the master shard's
         self.dtype = params[0].dtype if params else torch.float32  # the master (sharded) dtype
         self.param_dtype = param_dtype or self.dtype  # all-gather and compute
-        self.input_dtype = param_dtype  # floating inputs are cast to it (None: no policy, no cast)
+        self.input_dtype = param_dtype if cast_inputs else None  # floating inputs are cast to it (None: no cast)
+        self.output_dtype = output_dtype  # floating outputs are cast to it (None: no cast)
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
@@ -940,7 +943,13 @@ class Unit:
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: the slots get the shards back; outputs that need a gradient get the
-        pre_backward hook; stage 3 reshards."""
+        pre_backward hook; stage 3 reshards; under ``MixedPrecision(output_dtype=...)`` the
+        floating outputs are cast (after the hook is on them: their gradient reaches it through
+        the cast), in every forward, recomputations included, as ``fully_shard`` casts them."""
+        output = self._post_forward(module, output)
+        return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
+
+    def _post_forward(self, module: nn.Module, output: Any) -> Any:
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
             return output

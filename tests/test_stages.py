@@ -510,9 +510,11 @@ class CastInputs(torch.nn.Module):
         return x
 
 
-def on_ranks_input_casts(kind: str, stage: int, optim: str) -> dict:
+def on_ranks_input_casts(kind: str, stage: int, optim: str, output_dtype: torch.dtype | None = None) -> dict:
     """shardwrap and fully_shard, both bf16 compute with fp32 reduction, on the same data:
-    the parameters after three steps, and each one's distance from the unwrapped fp32 run."""
+    the parameters after three steps, and each one's distance from the unwrapped fp32 run.
+    ``output_dtype``: both get torch's ``MixedPrecisionPolicy`` with it (shardwrap takes the
+    policy as it is)."""
     import collections
     import dataclasses
 
@@ -536,10 +538,12 @@ def on_ranks_input_casts(kind: str, stage: int, optim: str) -> dict:
     for impl in ("single", "fully_shard", "shardwrap"):
         torch.manual_seed(0)
         m = CastInputs(kind)
+        torch_policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32, output_dtype=output_dtype)
         if impl == "shardwrap":
-            m = ShardedModule(m, auto_wrap_policy={models.Block}, stage=stage, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))
+            ours = torch_policy if output_dtype is not None else MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32)
+            m = ShardedModule(m, auto_wrap_policy={models.Block}, stage=stage, mixed_precision=ours)
         elif impl == "fully_shard":
-            mesh, policy = init_device_mesh("cpu", (world,)), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+            mesh, policy = init_device_mesh("cpu", (world,)), torch_policy
             for block in m.blocks:
                 fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
             fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
@@ -548,7 +552,7 @@ def on_ranks_input_casts(kind: str, stage: int, optim: str) -> dict:
             x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(step))
             x = x if impl == "single" else x.chunk(world)[rank]
             out = m(pack(x))
-            assert out.dtype == (torch.float32 if impl == "single" else bf16), (impl, out.dtype)
+            assert out.dtype == (torch.float32 if impl == "single" else output_dtype or bf16), (impl, out.dtype)
             out.float().pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -570,6 +574,51 @@ def test_mixed_precision_casts_each_units_inputs_like_fully_shard(kind, stage, o
     for r in run_on_ranks(2, on_ranks_input_casts, kind, stage, optim):
         assert r["to fully_shard"] < 1e-6, r
         assert r["to single"] <= r["fully_shard to single"] + 1e-6, r  # no further from fp32 than fully_shard
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_torchs_mixed_precision_policy_with_an_output_dtype_trains_like_fully_shard(stage, optim):
+    """``fully_shard``'s ``MixedPrecisionPolicy`` passed as it is, with ``output_dtype=float32``:
+    each unit's output is cast, as there (the root's output is fp32)."""
+    for r in run_on_ranks(2, on_ranks_input_casts, "tensor", stage, optim, torch.float32):
+        assert r["to fully_shard"] < 1e-6, r
+        assert r["to single"] <= r["fully_shard to single"] + 1e-6, r
+
+
+class CastsItself(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def on_ranks_input_dtype_seen(cast: bool) -> list[torch.dtype]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardwrap import MixedPrecision, ShardedModule
+
+    seen = []
+    for impl in ("fully_shard", "shardwrap"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(CastsItself())
+        if impl == "shardwrap":
+            policy = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=cast)
+            model = ShardedModule(model, auto_wrap_policy={CastsItself}, mixed_precision=policy)
+        else:
+            fully_shard(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=cast))
+        model[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))  # after the unit's own
+        model(torch.randn(2, 4)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_forward_inputs_false_leaves_a_units_inputs_as_they_come(cast):
+    for seen in run_on_ranks(2, on_ranks_input_dtype_seen, cast):
+        expected = torch.bfloat16 if cast else torch.float32
+        assert seen == [expected, expected], seen  # fully_shard's, then shardwrap's
 
 
 def on_ranks_fp16_sum(stage: int, pure: bool, per_rank: float) -> tuple[torch.Tensor, bool]:

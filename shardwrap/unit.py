@@ -932,10 +932,10 @@ class Unit:
             for unit in rest:
                 unit.unshard(async_op=True, checked_in=True)
         if self.forward_prefetch_units is not None:  # set_modules_to_forward_prefetch
-            for ahead in self.forward_prefetch_units:
-                if ahead.needs_gather and ahead not in schedule.prefetched:
-                    schedule.prefetched.add(ahead)
-                    ahead.unshard(async_op=True)
+            for listed in self.forward_prefetch_units:
+                if listed.needs_gather and listed not in schedule.prefetched:
+                    schedule.prefetched.add(listed)
+                    listed.unshard(async_op=True)
         elif (ahead := schedule.forward_prefetch(self)) is not None:
             ahead.unshard(async_op=True)
         root._spares.drop()  # the allocations that could reuse them are made: none waits through compute

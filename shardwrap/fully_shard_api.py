@@ -47,8 +47,11 @@ class UnshardHandle:
         self._units = list(units)
 
     def wait(self) -> None:
+        from shardwrap.unit import DataState
+
         for unit in self._units:
-            unit.unshard()
+            if unit.data_state is DataState.GATHERING:  # a forward may have finished (and freed) it since
+                unit.unshard()
         self._units = []
 
 
@@ -77,7 +80,7 @@ class FullyShardMethods:
     def _fs_between_steps(self, what: str) -> None:
         root = self._fs_root()
         root.check_between_steps(what)
-        if root._expect_backward:
+        if root.backward_owed:
             raise RuntimeError(
                 f"{what} on '{self._fs_name()}' between a forward and its backward: the backward reads the "
                 f"gathered parameters as that forward left them. Call it after the backward (or before the forward)"

@@ -33,6 +33,7 @@ from shardwrap import agreement, collectives, local_step
 from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
+from shardwrap.fully_shard_api import METHOD_NAMES as FULLY_SHARD_METHOD_NAMES
 from shardwrap.fully_shard_api import FullyShardMethods, install as install_fully_shard_methods
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
@@ -254,12 +255,13 @@ def _warn_shadowed_names(wrapper: nn.Module, inner: nn.Module) -> None:
         registries = (inner.__dict__, inner._parameters, inner._buffers, inner._modules)
         return any(name in r for r in registries) or (hasattr(type(inner), name) and not hasattr(nn.Module, name))
 
-    clash = sorted(n for n in wrapper.__dict__ if not n.startswith("_") and n not in ("training", "forward") and held_by_inner(n))
+    own = [*wrapper.__dict__, *FULLY_SHARD_METHOD_NAMES, "reset_iter_state"]  # settings, and fully_shard's methods
+    clash = sorted({n for n in own if not n.startswith("_") and n not in ("training", "forward") and held_by_inner(n)})
     if clash:
         names = ", ".join(f"'{n}'" for n in clash)
         warnings.warn(
             f"ShardedModule: the wrapped {type(inner).__name__} has attribute(s) {names}, which the wrapper holds "
-            f"too (its own settings): model.<name> reads and writes the wrapper's. Use model.module.<name> "
+            f"too (its own settings, or fully_shard's methods): model.<name> reaches the wrapper's. Use model.module.<name> "
             f"for the model's own",
             stacklevel=3,
         )
@@ -1407,6 +1409,13 @@ class ShardedModule(FullyShardMethods, nn.Module):
             self._recover()
 
     # ---- the root's part of a step (the units call these) ---------------------------------------
+
+    @property
+    def backward_owed(self) -> bool:
+        """Whether the graph of a forward since the last backward is still alive, so a backward
+        through it could still come (unlike ``_expect_backward``, false once that graph was
+        dropped)."""
+        return any(call() is not None for unit in self._units for call in unit._calls)
 
     @property
     def backward_running(self) -> bool:

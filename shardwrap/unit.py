@@ -352,6 +352,7 @@ class _Gather:
     send: torch.Tensor  # must live until the collective completes
     direct: bool = False  # the data goes straight into the unsharded buffer (pairwise, CPU)
     version_before: int = 0  # the unsharded buffer's version counter when it started
+    shard_version: int = 0  # the shard's (_shard_version) when it started: a write since makes the result stale
 
 
 @dataclass
@@ -482,8 +483,11 @@ class Unit:
         self.last_digest: int | None = None  # shard_digest at the root's last forward (shard_in_unsharded, on a CPU)
         # The parameters whose shards the root's digest covers (ShardedModule._catch_unseen_writes):
         # only those every rank holds rows of, so that a write to them changes every rank's digest,
-        # and the same list on every rank; none on a GPU, with one rank, or for a shard on disk
-        checked = self.world_size > 1 and self.device.type == "cpu" and (store is None or store.kind != "disk")
+        # and the same list on every rank; none on a GPU or for a shard on disk, nor with one rank
+        # where the shard lives in the unsharded buffer (no other ranks' rows there to go stale; a
+        # separate gathered copy, even of one rank's shard, can)
+        in_buffer = stage.keep_unsharded_grad and self.param_dtype == self.dtype and store is None  # shard_in_unsharded
+        checked = (self.world_size > 1 or not in_buffer) and self.device.type == "cpu" and (store is None or store.kind != "disk")
         self.digest_params = [
             i for i, s in enumerate(self.layout.slots)
             if checked and s.dim0 * s.inner > 0 and all(s.local_rows(r) > 0 for r in range(self.world_size))
@@ -1189,6 +1193,8 @@ class Unit:
         if state is DataState.GATHERING:
             if not async_op:
                 self._finish_gather()
+                if self.data_state is DataState.UNSHARDED_STALE:  # written while in flight: gather it as it is now
+                    self.unshard()
             return
         if state is DataState.UNSHARDED:
             return
@@ -1224,6 +1230,7 @@ class Unit:
         else:
             send = self.read_shard().to(self.param_dtype)  # no copy without mixed precision
         version_before = self._padded_unsharded._version  # stage 1: the gather rewrites the shard's own rows
+        shard_version = self._shard_version()
         if collectives.sends_pieces(self.group, send.device, send.numel() * send.element_size(), len(layout.slots) + 1):
             # Each peer's chunk of each parameter goes straight to its rows of the unsharded
             # buffer, the tags to a (W,) tensor: no rank-major buffer, no copy-out
@@ -1234,11 +1241,11 @@ class Unit:
             params = [piece.view(W, c) for piece, c in zip(self._padded_unsharded.split(layout.padded_sizes), layout.chunk_sizes)]
             rows = [[piece[r] for piece in params] + [tags.narrow(0, r, 1)] for r in range(W)]
             work = collectives.all_gather_pieces(rows, pieces, self.group, async_op=True)
-            self._gather = _Gather(work, tags, send, direct=True, version_before=version_before)
+            self._gather = _Gather(work, tags, send, direct=True, version_before=version_before, shard_version=shard_version)
         else:
             gathered = torch.empty(W * (S + 1), dtype=self.param_dtype, device=self.device)
             work = collectives.all_gather(gathered, send, self.group, async_op=True)
-            self._gather = _Gather(work, gathered, send, version_before=version_before)
+            self._gather = _Gather(work, gathered, send, version_before=version_before, shard_version=shard_version)
         self._data = DataState.GATHERING
         if not async_op:
             self._finish_gather()
@@ -1332,7 +1339,9 @@ class Unit:
             self._own_bumps += (self._padded_unsharded._version - gather.version_before) * len(self._local_params)
         if self.store is not None and self.device.type == "cpu":
             self._root._spares.release("send", gather.send.untyped_storage())  # the next unit copies into it
-        self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
+        # What was sent is the shard as it was when the gather started: a write while it was in
+        # flight (an optimizer step after unshard(async_op=True)) leaves the result stale
+        self._data, self._gathered_version = DataState.UNSHARDED, gather.shard_version
 
     def _allocate_unsharded(self) -> None:
         storage = self._padded_unsharded.untyped_storage()

@@ -13,14 +13,15 @@ Each method acts on every rank alike, as under ``fully_shard``: call it on every
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch.nn as nn
 
-from shardwrap.stage import Stage
 
 if TYPE_CHECKING:
+    from shardwrap.stage import Stage
     from shardwrap.sharded_module import ShardedModule
     from shardwrap.unit import Unit
 
@@ -179,10 +180,7 @@ class FullyShardMethods:
         units = self._fs_reach(recurse)
         new: list[Stage] = []
         for unit in units:  # every unit checked before any changes
-            fields = {"reshard_after_forward": unit.stage.reshard_after_forward,
-                      "reshard_after_backward": unit.stage.reshard_after_backward,
-                      "keep_unsharded_grad": unit.stage.keep_unsharded_grad, **change}
-            if fields == vars(unit.stage):
+            if all(getattr(unit.stage, k) == v for k, v in change.items()):
                 new.append(unit.stage)
                 continue
             if unit.stage.keep_unsharded_grad:
@@ -191,7 +189,7 @@ class FullyShardMethods:
                     f"its gradient unsharded; use stage=2 or 3 for a model whose units are freed"
                 )
             try:
-                new.append(Stage(**fields))
+                new.append(dataclasses.replace(unit.stage, **change))  # Stage checks the pair
             except ValueError as exc:
                 raise ValueError(f"{method}: unit '{unit.name}': {exc}") from None
         if any(s is not u.stage for s, u in zip(new, units)):

@@ -440,6 +440,10 @@ class Unit:
         self.input_dtype = param_dtype if cast_inputs else None  # floating inputs are cast to it (None: no cast)
         self.output_dtype = output_dtype  # floating outputs are cast to it (None: no cast)
         self.reduce_dtype = reduce_dtype or self.param_dtype  # gradient reduce-scatter
+        # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
+        # it serve as the master shard and the rows of the unsharded gradient as the sharded
+        # gradient: no second copy of either (design/notes/stages.md).
+        self.shard_in_unsharded = stage.keep_unsharded_grad and self.param_dtype == self.dtype and store is None
         self.training_state = TrainingState.IDLE
         self._reentered = 0  # calls of this unit's module inside its own running forward
         # When a backward is done with the gathered parameters (design/notes/activation-checkpointing.md,
@@ -486,8 +490,7 @@ class Unit:
         # and the same list on every rank; none on a GPU or for a shard on disk, nor with one rank
         # where the shard lives in the unsharded buffer (no other ranks' rows there to go stale; a
         # separate gathered copy, even of one rank's shard, can)
-        in_buffer = stage.keep_unsharded_grad and self.param_dtype == self.dtype and store is None  # shard_in_unsharded
-        checked = (self.world_size > 1 or not in_buffer) and self.device.type == "cpu" and (store is None or store.kind != "disk")
+        checked = (self.world_size > 1 or not self.shard_in_unsharded) and self.device.type == "cpu" and (store is None or store.kind != "disk")
         self.digest_params = [
             i for i, s in enumerate(self.layout.slots)
             if checked and s.dim0 * s.inner > 0 and all(s.local_rows(r) > 0 for r in range(self.world_size))
@@ -509,10 +512,6 @@ class Unit:
         self._hooks_due: list[int] = []
 
         layout, S = self.layout, self.layout.shard_numel
-        # Stage 1 without mixed precision keeps the unsharded buffer for good, so the rank's rows of
-        # it serve as the master shard and the rows of the unsharded gradient as the sharded
-        # gradient: no second copy of either (design/notes/stages.md).
-        self.shard_in_unsharded = stage.keep_unsharded_grad and self.param_dtype == self.dtype and store is None
         self._padded_unsharded = torch.empty(layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.device)
         self._sharded_storage: torch.Tensor | None = None
         if self.shard_in_unsharded:
@@ -700,15 +699,12 @@ class Unit:
         return self._data
 
     @property
-    def grad_divisor(self) -> float:
-        """What the summed gradient is divided by: the number of ranks that summed it (DDP's
-        average), unless ``set_gradient_divide_factor`` set another. Under an fp16 reduce a part
-        of it comes before the sum (``_split_divisor``); the rest is ``grad_divisor_after``."""
-        return self.divide_factor if self.divide_factor is not None else self.world_size * self.replicas
-
-    @property
-    def grad_divisor_after(self) -> float:
-        return _split_divisor(self.grad_divisor, self.reduce_dtype)[1]
+    def grad_divisors(self) -> tuple[float, float]:
+        """(before the sum, after it): what the summed gradient is divided by, the number of
+        ranks that summed it (DDP's average) unless ``set_gradient_divide_factor`` set another,
+        split as the reduce dtype needs (``_split_divisor``)."""
+        total = self.divide_factor if self.divide_factor is not None else self.world_size * self.replicas
+        return _split_divisor(total, self.reduce_dtype)
 
     @property
     def unsharded_buffer(self) -> torch.Tensor:
@@ -1261,15 +1257,15 @@ class Unit:
         GPU"). A CPU-only run averages the reduced shard where it is when it has the master dtype
         (it is already host memory, and this unit's own buffer), and otherwise copies host to host."""
         if self.device.type != "cuda" and reduced.dtype == self.dtype and reduced.device == self.shard_device:
-            _average_grad(reduced, self.grad_divisor_after)
+            _average_grad(reduced, self.grad_divisors[1])
             return reduced
         host = torch.empty(reduced.numel(), dtype=self.dtype, device=self.shard_device, pin_memory=self.device.type == "cuda")
         if self.device.type != "cuda":
             host.copy_(reduced)
-            _average_grad(host, self.grad_divisor_after)
+            _average_grad(host, self.grad_divisors[1])
             return host
         averaged = reduced.to(self.dtype)  # reduced is this unit's own buffer: averaging in place is safe
-        _average_grad(averaged, self.grad_divisor_after)
+        _average_grad(averaged, self.grad_divisors[1])
         stream, compute = self._root.copy_stream(self.device, "to host"), torch.cuda.current_stream(self.device)
         if compute != stream:  # (finish_grad_beside_compute runs all of this on the copy stream)
             stream.wait_stream(compute)  # after the average (and the reduction it reads)
@@ -1660,7 +1656,7 @@ class Unit:
         self._used_here = [a or b for a, b in zip(self._used_here, self._grad_used)]
         self._grad_used = [False] * n
         output = torch.empty(S + n, dtype=self.reduce_dtype, device=self.device)
-        before = _split_divisor(self.grad_divisor, self.reduce_dtype)[0]
+        before = self.grad_divisors[0]
         if packed is not None and before != 1:  # fp16: part of the average before the sum (the flags are set after)
             packed.div_(before)
         if self._reduces_directly():
@@ -1792,7 +1788,7 @@ class Unit:
             sharded_grad = self._grad_to_host(reduced.narrow(0, 0, S))
         else:
             sharded_grad = reduced.narrow(0, 0, S).to(self.dtype)  # no copy without mixed precision
-            _average_grad(sharded_grad, self.grad_divisor_after)
+            _average_grad(sharded_grad, self.grad_divisors[1])
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad

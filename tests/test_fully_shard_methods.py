@@ -33,6 +33,11 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def assert_params_match(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def wrap(stage: int) -> nn.Module:
     from shardwrap import ShardedModule
 
@@ -80,8 +85,7 @@ def test_the_fsdp2_examples_loop_runs_unchanged_and_trains_like_one_process(stag
     torch.manual_seed(0)
     expected = examples_loop(models.mlp(), None, optim)
     for got in run_on_ranks(WORLD, on_ranks_examples, stage, optim):
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(got, expected)
         # blocks.0 prefetches blocks.1 and blocks.2 (stage 1 keeps every unit gathered)
         assert got["ahead"] == [True] * 3, got["ahead"]
 
@@ -126,8 +130,7 @@ def test_set_requires_gradient_sync_accumulates_without_communication_like_one_p
     torch.manual_seed(0)
     expected = accumulate(models.mlp(), None, optim, on)["params"]
     for got in run_on_ranks(WORLD, on_ranks_accumulate, stage, optim, on):
-        for name, value in expected.items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(got["params"], expected)
         silent = [n for i, n in enumerate(got["reductions"]) if i % 3 != 2]
         assert silent == [0] * 4 and all(n > 0 for n in got["reductions"][2::3]), got["reductions"]
 
@@ -163,8 +166,7 @@ def test_a_gradient_divide_factor_of_one_sums_a_globally_normalized_loss_like_on
     torch.manual_seed(0)
     expected = summed_loss_training(models.mlp(), None, optim)
     for got in run_on_ranks(WORLD, on_ranks_summed, stage, optim):
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(got, expected)
 
 
 # ---- resharding settings, unshard and reshard -----------------------------------------------------
@@ -226,8 +228,7 @@ def test_reshard_settings_unshard_and_reshard_change_memory_not_numbers(stage, o
     expected = switching(models.mlp(), None, optim, stage)["params"]
     s3 = stage == 3
     for got in run_on_ranks(WORLD, on_ranks_switching, stage, optim):
-        for name, value in expected.items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(got["params"], expected)
         seen = got["seen"]  # units: root, blocks.0, blocks.1, blocks.2
         # stage 3 frees a block after its forward, except the last (its backward comes first)
         assert seen["after forward 0"] == [True, not s3, not s3, True], seen
@@ -309,8 +310,7 @@ def test_settings_shardwrap_cannot_honour_are_refused_with_what_to_do(stage):
             ((reference(x) - y) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
-        for name, value in full_params(reference).items():
-            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(params, full_params(reference))
 
 
 # ---- review findings: a write while an unshard is in flight, a late wait, a dropped graph -----------
@@ -373,8 +373,7 @@ def test_a_write_while_an_unshard_is_in_flight_reaches_the_next_forward(stage, o
     for rank, got in enumerate(run_on_ranks(WORLD, on_ranks_async, stage, optim, where)):
         for i, (a, b) in enumerate(zip(got["outs"], expected["outs"])):
             torch.testing.assert_close(a, b.chunk(WORLD)[rank], rtol=1e-5, atol=1e-6, msg=lambda m: f"output {i}: {m}")
-        for name, value in expected["params"].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_params_match(got["params"], expected["params"])
         assert got["late wait gathers"] == 0, got["late wait gathers"]
 
 

@@ -366,20 +366,20 @@ def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
         ) from exc
 
 
-def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, group_src: int = 0) -> None:
+    """Overwrite ``tensor`` on every rank with the ``tensor`` of the group's rank ``group_src``."""
     _count_tensor("broadcast", tensor)
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, group_src), group=group)
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite every tensor with the group's first rank's, one collective per dtype (the same
-    dtype order on every rank)."""
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, group_src: int = 0) -> None:
+    """Overwrite every tensor with the group's rank ``group_src``'s, one collective per dtype (the
+    same dtype order on every rank)."""
     with torch.no_grad():
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            broadcast(flat, group)
+            broadcast(flat, group, group_src)
             for t, piece in zip(same, flat.split([t.numel() for t in same])):
                 t.copy_(piece.view_as(t))
 

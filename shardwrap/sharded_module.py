@@ -17,7 +17,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwrap import agreement, collectives, local_step
+from shardwrap import summon as _summon
 from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
@@ -570,6 +571,13 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     owed: dict[int, ShardedModule | None] = {}  # models owed a backward: None once one of their parameters has a gradient
     for group in optimizer.param_groups:
         for p in group["params"]:
+            name = _summon.COPIES.get(p)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the full copy of parameter '{name}' that "
+                    f"summon_full_params() showed; the context has ended and that copy receives no gradient. "
+                    f"Build the optimizer outside the context, from model.parameters()"
+                )
             name = _RETIRED_PARAMS.get(p)
             if name is not None:
                 raise RuntimeError(
@@ -580,6 +588,8 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
             unit = _unit_of_param(p)
             if unit is None:
                 continue
+            if unit._root._summoned is not None:
+                raise _summon.refusal(f"{type(optimizer).__name__}.step()")
             ours = True
             if unit.store is not None:
                 roots.setdefault(id(unit._root), unit._root)
@@ -962,6 +972,7 @@ class ShardedModule(FullyShardMethods, nn.Module):
         self._copies_pending = False  # copies on _copy_streams since the last finish_host_copies
         self._spares = Spares()  # freed CPU buffers for the next unit's unshard (design/notes/spare-buffers.md)
         self._in_call = False  # inside forward(): a unit already in FORWARD is being called again
+        self._summoned: _summon.Summoned | None = None  # an open summon_full_params() (shardwrap/summon.py)
         self._unit_of: dict[int, tuple[Unit, int]] = {}  # id(sharded param) -> (unit, slot index)
         self._unit_of_module: dict[int, tuple[nn.Module, Unit]] = {}  # id(unit's module) -> (it, its unit)
         self._method_call: Callable[..., Any] | None = None  # a registered method, for the next forward
@@ -1831,6 +1842,8 @@ class ShardedModule(FullyShardMethods, nn.Module):
         first one (a save in an ``except`` block on one rank would otherwise pair its collectives
         with a peer's that is still inside the step: gloo aborts the process)."""
         self.refuse_out_of_step(what)
+        if self._summoned is not None:
+            raise _summon.refusal(what)
         if self._state is not TrainingState.IDLE or any(u.training_state is not TrainingState.IDLE for u in self._units):
             if not self._in_call and torch._C._current_graph_task_id() == -1:
                 # Nothing runs: the last forward or backward raised. Not cleaned up here: a peer may
@@ -1876,6 +1889,23 @@ class ShardedModule(FullyShardMethods, nn.Module):
         self.check_between_steps("load_full_state_dict")
         missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
         return _IncompatibleKeys(missing, unexpected)
+
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False, modifier_rank: int | None = None) -> ContextManager[None]:
+        """A context in which every parameter's module slot holds a plain ``nn.Parameter`` with its
+        full value (FSDP1's ``summon_full_params``; DeepSpeed's ``GatheredParameters``), between
+        steps. Call it on every rank.
+
+        ``recurse=False``: the root unit's own parameters only. ``writeback``: on leaving, the full
+        values go back into the shards; every rank writes its own rows, so the ranks must hold the
+        same values (checked: an edit made on some ranks only raises on every rank and writes
+        nothing), or ``modifier_rank=r`` writes back rank ``r``'s values, as DeepSpeed's
+        ``modifier_rank`` does. ``rank0_only``: only rank 0 gets the full copies (read-only).
+        ``offload_to_cpu``: the copies live in host memory. ``with_grads``: each copy's ``.grad``
+        is the full gradient (read-only). A forward, a backward, an optimizer step or a state
+        dict inside the context are refused [design/notes/summon-full-params.md].
+        """
+        return _summon.summon_full_params(self, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:

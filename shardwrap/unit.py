@@ -44,6 +44,7 @@ from shardwrap.spare import return_free_heap
 from shardwrap.flat_param import FlatLayout, ParamSlot, TensorParallel
 from shardwrap.mixed_precision import cast_floating
 from shardwrap.stage import Stage
+from shardwrap.summon import refusal as summon_refusal
 
 if TYPE_CHECKING:
     from shardwrap.sharded_module import ShardedModule
@@ -914,6 +915,8 @@ class Unit:
             # the root's forward and calls self(x)): the parameters are in place already.
             self._reentered += 1
             return
+        if root._summoned is not None:
+            raise summon_refusal("a forward")
         if self.index == 0:
             root.root_pre_forward()
         self._check_slots()

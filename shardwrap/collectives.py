@@ -379,6 +379,8 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in same])
+            if flat.device.type == "cpu":
+                flat = flat.to(carrier_device(group))  # an NCCL-only group carries no host tensor
             broadcast(flat, group, group_src)
             for t, piece in zip(same, flat.split([t.numel() for t in same])):
                 t.copy_(piece.view_as(t))

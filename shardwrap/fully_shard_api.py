@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Sequence
 
 import torch.nn as nn
 
@@ -114,6 +114,41 @@ class FullyShardMethods:
         self._fs_between_steps("reshard()")
         for unit in self._fs_own():
             unit.reshard()
+
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False,
+                           modifier_rank: int | None = None) -> ContextManager[None]:
+        """A context in which the parameters of the units this module reaches (``recurse=False``:
+        its own unit's) are plain ``nn.Parameter``s with their full fp32 values in their module
+        slots, between steps: FSDP1's ``summon_full_params``, DeepSpeed's ``GatheredParameters``.
+        Call it on every rank.
+
+        ``writeback``: on leaving, the full values go back into the shards. Every rank writes its
+        own rows, so the ranks must hold the same bits (checked: an edit made on some ranks only
+        raises on every rank and writes nothing), or ``modifier_rank=r`` (a rank of the model's
+        mesh, the global rank when the mesh spans every process) writes back rank ``r``'s values.
+        A copy frozen or unfrozen (``requires_grad_``) is kept too. ``writeback=False``: nothing
+        done inside is kept. ``rank0_only``: only rank 0 gets the copies (read-only). ``offload_to_cpu``: the copies live in host memory. ``with_grads``:
+        each copy's ``.grad`` is the full gradient (read-only: a change is refused). A forward, a
+        backward, an optimizer step, ``model.zero_grad()`` or a state dict inside the context are
+        refused [design/notes/summon-full-params.md].
+
+        FSDP1's static call ``FSDP.summon_full_params(module, ...)`` ports as
+        ``ShardedModule.summon_full_params(module, ...)``, for the ``ShardedModule`` or a module
+        ``auto_wrap_policy`` made a unit.
+        """
+        from shardwrap import summon
+
+        if not isinstance(self, FullyShardMethods):  # the class's function called on a module (FSDP1's static form)
+            bound = self.__dict__.get("summon_full_params") if isinstance(self, nn.Module) else None
+            if bound is None:
+                raise TypeError(
+                    f"summon_full_params: {type(self).__name__} is not a ShardedModule nor a module that "
+                    f"auto_wrap_policy made a unit; pass the ShardedModule (every unit), or a unit's module"
+                )
+            return bound(recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
+        return summon.summon_full_params(self._fs_root(), self._fs_reach(recurse) if isinstance(recurse, bool) else [],
+                                         recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
 
     # ---- gradient reduction -----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.nn as nn
@@ -1154,6 +1154,11 @@ class ShardedModule(FullyShardMethods, nn.Module):
         with no ``module.`` in front. ``train``, ``apply`` and replacing a top-level child follow."""
         return self.module.named_children()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._summoned is not None:  # it would reach the full copies, and leave the gradients be
+            raise _summon.refusal("model.zero_grad()")
+        super().zero_grad(set_to_none)
+
     def train(self, mode: bool = True) -> "ShardedModule":
         self.training = mode
         self.module.train(mode)
@@ -1889,23 +1894,6 @@ class ShardedModule(FullyShardMethods, nn.Module):
         self.check_between_steps("load_full_state_dict")
         missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
         return _IncompatibleKeys(missing, unexpected)
-
-    def summon_full_params(self, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-                           offload_to_cpu: bool = False, with_grads: bool = False, modifier_rank: int | None = None) -> ContextManager[None]:
-        """A context in which every parameter's module slot holds a plain ``nn.Parameter`` with its
-        full value (FSDP1's ``summon_full_params``; DeepSpeed's ``GatheredParameters``), between
-        steps. Call it on every rank.
-
-        ``recurse=False``: the root unit's own parameters only. ``writeback``: on leaving, the full
-        values go back into the shards; every rank writes its own rows, so the ranks must hold the
-        same values (checked: an edit made on some ranks only raises on every rank and writes
-        nothing), or ``modifier_rank=r`` writes back rank ``r``'s values, as DeepSpeed's
-        ``modifier_rank`` does. ``rank0_only``: only rank 0 gets the full copies (read-only).
-        ``offload_to_cpu``: the copies live in host memory. ``with_grads``: each copy's ``.grad``
-        is the full gradient (read-only). A forward, a backward, an optimizer step or a state
-        dict inside the context are refused [design/notes/summon-full-params.md].
-        """
-        return _summon.summon_full_params(self, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:

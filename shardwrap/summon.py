@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
@@ -43,6 +44,7 @@ class Summoned:
     """An open ``summon_full_params``: which parameters are in the slots, and what leaving does."""
 
     fulls: list[tuple[Unit, int, nn.Parameter]]  # (unit, parameter index, the full parameter in its slots)
+    grads: list[int | None]  # each copy's gradient as shown: a digest, or None
     writeback: bool
     modifier_rank: int | None
 
@@ -57,16 +59,22 @@ def refusal(what: str) -> RuntimeError:
 
 
 def _check_args(model: ShardedModule, recurse: object, writeback: object, rank0_only: object,
-                offload_to_cpu: object, with_grads: object, modifier_rank: object) -> None:
+                offload_to_cpu: object, with_grads: object, modifier_rank: object) -> int | None:
+    """Refuse a bad option before anything happens; returns ``modifier_rank`` as an int."""
     flags = {"recurse": recurse, "writeback": writeback, "rank0_only": rank0_only,
              "offload_to_cpu": offload_to_cpu, "with_grads": with_grads}
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"summon_full_params: {name} should be a bool, got {type(value).__name__} ({value!r})")
     world = collectives.group_size(model.world_group)
-    if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)
-                                      or not 0 <= modifier_rank < world):
-        raise ValueError(f"summon_full_params: modifier_rank should be None or a rank in 0..{world - 1}, got {modifier_rank!r}")
+    if modifier_rank is not None:
+        try:
+            index = None if isinstance(modifier_rank, bool) else operator.index(modifier_rank)  # type: ignore[arg-type]
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < world:
+            raise ValueError(f"summon_full_params: modifier_rank should be None or a rank in 0..{world - 1}, got {modifier_rank!r}")
+        modifier_rank = index
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params: rank0_only=True with writeback=True: only rank 0 would hold the full "
@@ -81,6 +89,7 @@ def _check_args(model: ShardedModule, recurse: object, writeback: object, rank0_
         )
     if modifier_rank is not None and rank0_only:
         raise ValueError("summon_full_params: modifier_rank with rank0_only=True: drop one of them")
+    return modifier_rank  # type: ignore[return-value]
 
 
 def _check_state(model: ShardedModule, units: list[Unit], with_grads: bool) -> None:
@@ -110,14 +119,13 @@ def _check_state(model: ShardedModule, units: list[Unit], with_grads: bool) -> N
 def _full_grads(model: ShardedModule, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
     """Each parameter's full gradient (None where it has none); every rank must agree on which
     have one before the gathers pair up."""
-    have = [p.grad is not None for p in params]
-    mask = sum(1 << (i % 62) for i, h in enumerate(have) if h)
-    rows = collectives.all_gather_ints([len(have), mask, sum(have)], model.world_group, what="summon_full_params gradients")
+    have = [int(p.grad is not None) for p in params]
+    rows = collectives.all_gather_ints([len(have), *have], model.world_group, what="summon_full_params gradients")
     if any(row != rows[0] for row in rows):
         raise RuntimeError(
             f"rank {collectives.rank()}: summon_full_params(with_grads=True): the ranks hold gradients for "
-            f"different parameters (counts by rank: {[row[2] for row in rows]}). A gradient set by hand on "
-            f"one rank only, or zero_grad() on some ranks: make them alike on every rank first"
+            f"different parameters (counts by rank: {[sum(row[1:]) for row in rows]}). A gradient set by hand "
+            f"on one rank only, or zero_grad() on some ranks: make them alike on every rank first"
         )
     out: list[torch.Tensor | None] = []
     with torch.no_grad():
@@ -133,11 +141,10 @@ def _full_grads(model: ShardedModule, params: list[nn.Parameter]) -> list[torch.
     return out
 
 
-def enter(model: ShardedModule, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
-          with_grads: bool, modifier_rank: int | None) -> Summoned:
-    """Gather the parameters and put full copies in the slots; nothing else changes."""
-    _check_args(model, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
-    units = list(model.units) if recurse else [model.units[0]]
+def enter(model: ShardedModule, units: list[Unit], recurse: bool, writeback: bool, rank0_only: bool,
+          offload_to_cpu: bool, with_grads: bool, modifier_rank: int | None) -> Summoned:
+    """Gather the parameters of ``units`` and put full copies in their slots; nothing else changes."""
+    modifier_rank = _check_args(model, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
     _check_state(model, units, with_grads)
     keep = not rank0_only or model.world_rank == 0
     fulls: list[tuple[Unit, int, nn.Parameter]] = []
@@ -151,7 +158,8 @@ def enter(model: ShardedModule, recurse: bool, writeback: bool, rank0_only: bool
             if grad is not None:
                 full.grad = grad.cpu() if offload_to_cpu else grad
             fulls.append((unit, i, full))
-    summoned = Summoned(fulls, writeback, modifier_rank)
+    shown = [_digest(full.grad) if full.grad is not None else None for _, _, full in fulls]
+    summoned = Summoned(fulls, shown, writeback, modifier_rank)
     for unit, i, full in fulls:
         for module, attr in unit.slots[i]:
             module._parameters[attr] = full
@@ -167,9 +175,16 @@ def _digest(t: torch.Tensor) -> int:
 
 def _local_problems(summoned: Summoned) -> list[str]:
     """What makes a full parameter impossible to write back: it left its slot, or its shape or
-    dtype changed (``p.data = t``)."""
+    dtype changed (``p.data = t``); and a gradient changed, which nothing would write back."""
     problems = []
-    for unit, i, full in summoned.fulls:
+    for (unit, i, full), shown in zip(summoned.fulls, summoned.grads):
+        if (None if full.grad is None else _digest(full.grad)) != shown:
+            problems.append(
+                f"the gradient of '{unit.layout.slots[i].fqn}' was changed inside the context (zero_grad, "
+                f"clipping or a write on the copies): the copies' gradients are read-only; change the "
+                f"gradients of model.parameters() outside the context (torch.nn.utils.clip_grad_norm_, "
+                f"opt.zero_grad())"
+            )
         slot = unit.layout.slots[i]
         for module, attr in unit.slots[i]:
             if module._parameters.get(attr) is not full:
@@ -195,7 +210,7 @@ def _agree_to_write(model: ShardedModule, summoned: Summoned, raised: bool) -> N
     problems = [] if raised else _local_problems(summoned)
     digests = [0] * len(summoned.fulls)
     if summoned.modifier_rank is None and not raised and not problems:
-        digests = [_digest(full) for _, _, full in summoned.fulls]
+        digests = [(_digest(full) & ~1) | int(full.requires_grad) for _, _, full in summoned.fulls]
     rows = collectives.all_gather_ints([int(raised), len(problems), *digests], model.world_group, what="summon_full_params write-back")
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
@@ -214,26 +229,43 @@ def _agree_to_write(model: ShardedModule, summoned: Summoned, raised: bool) -> N
         if differ:
             shown = ", ".join(repr(n) for n in differ[:_SHOWN]) + (f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else "")
             raise ValueError(
-                f"summon_full_params write-back: {len(differ)} parameter(s) differ between ranks: {shown}. Each "
-                f"rank writes its own rows back, so an edit made on some ranks only would be kept in part. "
+                f"summon_full_params write-back: {len(differ)} parameter(s) differ between ranks (values or "
+                f"requires_grad): {shown}. Each rank writes its own rows back, so an edit made on some ranks only "
+                f"would be kept in part. "
                 f"Make the same edit on every rank, or pass modifier_rank=r to keep rank r's values. Nothing "
                 f"was written back; the model holds the values it had before the context"
             )
+
+
+def _keep_requires_grad(summoned: Summoned) -> None:
+    """A copy frozen or unfrozen inside the context: its parameter follows, as the original
+    parameter object under FSDP1 would (shardwrap honours freezing after wrapping)."""
+    for unit, i, full in summoned.fulls:
+        param = unit.sharded_params[i]
+        if full.requires_grad != param.requires_grad:
+            param.requires_grad_(full.requires_grad)
 
 
 def leave(model: ShardedModule, summoned: Summoned, raised: bool) -> None:
     """Write back (every rank agreeing first), then give the slots their sharded parameters back,
     whatever happened."""
     try:
-        if not summoned.writeback:
+        if not summoned.writeback:  # nothing done inside is kept
+            problems = [] if raised else _local_problems(summoned)  # local: no collective follows
+            if problems:
+                _sd._raise_problems("summon_full_params", problems, "The model holds the values it had before the context")
             return
         _agree_to_write(model, summoned, raised)
         if raised:
             return
         fulls = [full for _, _, full in summoned.fulls]
         if summoned.modifier_rank is not None:
+            flags = torch.tensor([int(full.requires_grad) for full in fulls], dtype=torch.int64)
             with torch.no_grad():
-                collectives.broadcast_tensors(fulls, model.world_group, group_src=summoned.modifier_rank)
+                collectives.broadcast_tensors([*fulls, flags], model.world_group, group_src=summoned.modifier_rank)
+            for full, flag in zip(fulls, flags.tolist()):
+                full.requires_grad_(bool(flag))
+        _keep_requires_grad(summoned)
         writes = [(unit.local_param(i), _sd._local_chunk(full.detach(), unit.layout.slots[i], model))
                   for unit, i, full in summoned.fulls]
         _sd.commit_writes(model, writes)
@@ -246,9 +278,10 @@ def leave(model: ShardedModule, summoned: Summoned, raised: bool) -> None:
 
 
 @contextlib.contextmanager
-def summon_full_params(model: ShardedModule, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-                       offload_to_cpu: bool = False, with_grads: bool = False, modifier_rank: int | None = None) -> Iterator[None]:
-    summoned = enter(model, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
+def summon_full_params(model: ShardedModule, units: list[Unit], recurse: bool, writeback: bool, rank0_only: bool,
+                       offload_to_cpu: bool, with_grads: bool, modifier_rank: int | None) -> Iterator[None]:
+    """The context behind ``FullyShardMethods.summon_full_params``, over ``units``."""
+    summoned = enter(model, units, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
     raised = True
     try:
         yield

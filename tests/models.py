@@ -547,3 +547,8 @@ def gpt2_checkpointed(checkpoint_kwargs: dict | None = None, **gpt2_kwargs: Any)
         warnings.simplefilter("ignore", FutureWarning)  # the alias of activation_checkpointing_enable
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     return model
+
+
+def many_linears(count: int = 70, dim: int = 4) -> nn.Module:
+    """``count`` small Linear layers in a row: one unit with many parameters."""
+    return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(count)))

@@ -28,6 +28,9 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 def edit(named: dict[str, torch.Tensor], how: str) -> None:
     """What user code does to full weights: in place on the parameter, or through ``.data``
     (which bumps no version counter)."""
+    if how == "freeze":  # a copy frozen inside: its parameter stays frozen after
+        named["head.weight"].requires_grad_(False)
+        return
     with torch.no_grad():
         for p in named.values():
             if how == "data":
@@ -110,13 +113,14 @@ def check(case: Case, world: int, how: str, offload: str | None = None) -> None:
 MLP = Case("mlp", policy="Block")
 
 
-@pytest.mark.parametrize("how", ["all", "data", "modifier", "read"])
+@pytest.mark.parametrize("how", ["all", "data", "modifier", "read", "freeze"])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_full_parameters_are_shown_and_edits_are_written_back(stage, optim, how):
     """Inside the context every parameter is a plain tensor with the one-process value; edits
     made alike on every rank (in place, or through ``.data``), or on one rank with
-    ``modifier_rank``, train on as they do in one process; ``writeback=False`` drops them."""
+    ``modifier_rank``, train on as they do in one process; ``writeback=False`` drops them. A copy
+    frozen inside leaves its parameter frozen."""
     check(Case("mlp", policy="Block", stage=stage, optim=optim), WORLD, how)
 
 
@@ -167,6 +171,50 @@ def on_ranks_tp(case: Case) -> dict[str, Any]:
     return out
 
 
+def on_ranks_one_block(form: str) -> dict[str, Any]:
+    from shardwrap import ShardedModule
+
+    rank = dist.get_rank()
+    case = Case("mlp", policy="Block", stage=3)
+    model = wrap(case)
+    block = model.module.blocks[1]
+    out: dict[str, Any] = {}
+    with (block.summon_full_params() if form == "method" else ShardedModule.summon_full_params(block)):
+        out["full"] = sorted(n for n, p in model.named_parameters() if type(p).__name__ == "Parameter")
+        edit(dict(block.named_parameters()), "all")
+    try:
+        ShardedModule.summon_full_params(block.up)
+    except TypeError as exc:
+        out["not_a_unit"] = str(exc)
+    opt = build_optimizer(case, model)
+    for step in range(2):
+        batch = {k: v.chunk(WORLD)[rank] for k, v in global_batch(case, step).items()}
+        loss_fn(case, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    out["final"] = model.full_state_dict(rank0_only=False)
+    return out
+
+
+@pytest.mark.parametrize("form", ["method", "static"])
+def test_a_units_module_summons_its_own_parameters(form):
+    """FSDP1 summons an inner FSDP module: ``block.summon_full_params()`` (or the static form
+    ``ShardedModule.summon_full_params(block)``) shows and writes back that unit's parameters only."""
+    case = Case("mlp", policy="Block", stage=3)
+    model = build_model(case)
+    edit(dict(model.blocks[1].named_parameters()), "all")
+    opt = build_optimizer(case, model)
+    for step in range(2):
+        loss_fn(case, model, global_batch(case, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_on_ranks(WORLD, on_ranks_one_block, form):
+        assert got["full"] == sorted(f"blocks.1.{n}" for n, _ in model.blocks[1].named_parameters())
+        assert "Linear is not a ShardedModule nor a module that auto_wrap_policy made a unit" in got["not_a_unit"]
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got["final"][name], value, **TOL, msg=lambda m: f"final {name}: {m}")
+
+
 # ---- perturbed: the oracle catches a write-back that is off -------------------------------------
 
 
@@ -212,6 +260,29 @@ def on_ranks_options(stage: int) -> dict[str, Any]:
         out["own"] = sorted(n for n, p in model.named_parameters() if type(p).__name__ == "Parameter")
     out["final"] = model.full_state_dict(rank0_only=False)
     return out
+
+
+def on_ranks_many_grads(stage: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    model = wrap(Case("many_linears", {"count": 70}, stage=stage, dim=4, out=4))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    model(x.chunk(WORLD)[rank]).pow(2).mean().backward()
+    with model.summon_full_params(with_grads=True, writeback=False):
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradients_of_a_unit_with_many_parameters(stage):
+    """140 parameters in one unit (a review: the ranks' agreement on which have a gradient
+    overflowed at 126)."""
+    torch.manual_seed(0)
+    model = models.many_linears(70)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    model(x).pow(2).mean().backward()
+    for got in run_on_ranks(WORLD, on_ranks_many_grads, stage):
+        assert len(got) == 140
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -262,6 +333,7 @@ def on_ranks_refusals(stage: int) -> dict[str, Any]:
         out["step"] = attempt(opt.step)
         out["state_dict"] = attempt(model.state_dict)
         out["nested"] = attempt(lambda: model.summon_full_params().__enter__())
+        out["zero_grad"] = attempt(model.zero_grad)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
     out["inner_optimizer"] = attempt(inner.step)
     loss = loss_fn(case, model, x)
@@ -271,6 +343,10 @@ def on_ranks_refusals(stage: int) -> dict[str, Any]:
         loss_fn(case, model, x).backward()
     out["unsynced"] = attempt(lambda: model.summon_full_params(with_grads=True).__enter__())
     loss_fn(case, model, x).backward()  # the synced one: the three micro-batches reduce now
+    def clip_the_copies() -> None:  # torch's clipping on the copies: refused, the gradients stay
+        with model.summon_full_params(with_grads=True):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    out["clip_copies"] = attempt(clip_the_copies)
     opt.step()
     opt.zero_grad()
     # One rank edits without modifier_rank: refused on every rank, nothing written
@@ -334,6 +410,8 @@ def test_refusals_name_the_fault_and_change_nothing(stage):
         for what in ("forward", "block", "step", "state_dict"):
             assert "inside summon_full_params()" in e[what] and "Leave the context" in e[what], (what, e[what])
         assert "inside another summon_full_params()" in e["nested"], e["nested"]
+        assert "model.zero_grad() inside summon_full_params()" in e["zero_grad"], e["zero_grad"]
+        assert "gradient of 'inp.weight' was changed inside the context" in e["clip_copies"], e["clip_copies"]
         assert "full copy of parameter" in e["inner_optimizer"], e["inner_optimizer"]
         assert "between a forward and its backward" in e["owed"], e["owed"]
         assert "not reduced yet" in e["unsynced"] and "unit(s)" in e["unsynced"], e["unsynced"]

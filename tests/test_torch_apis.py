@@ -116,12 +116,22 @@ def on_ranks_save(case: Case, path: str, steps: int, full: bool) -> list[str]:
     return list(msd)
 
 
-def on_ranks_resume(case: Case, path: str, start: int, full: bool) -> dict:
+def on_ranks_resume(case: Case, path: str, start: int, full: bool, from_rank0: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     model, opt = make(case)
-    if full:
+    if full and from_rank0:  # torchtune's load: only rank 0 reads the file, torch broadcasts it
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = torch.load(path, weights_only=True) if dist.get_rank() == 0 else {"model": {}, "optim": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # Two calls, as torchtune makes them: torch's set_state_dict takes an empty model dict
+        # (every rank but 0 here) for "optimizer only" and skips the model's broadcast on those
+        # ranks, so rank 0 waits in it alone (under fully_shard too)
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, opt, state["optim"], options=options)
+    elif full:
         state = torch.load(path, weights_only=True)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(full_state_dict=True))
@@ -160,6 +170,19 @@ def test_full_state_dict_options_round_trip_at_another_world_size(stage, tmp_pat
     keys = run_on_ranks(2, on_ranks_save, run, path, 1, True)[0]
     assert keys == list(build_model(run).state_dict())
     compare(run, 3, run_on_ranks(3, on_ranks_resume, run, path, 1, True), reference=(expected, [], []))
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_full_state_dict_broadcast_from_rank_0_resumes_on_the_same_trajectory(stage, optim, tmp_path):
+    """``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``: rank 0 alone holds
+    the file's tensors (torchtune loads pretrained weights so), torch broadcasts each and every
+    rank keeps its chunk; model and optimizer resume on the one-process trajectory."""
+    run = case(stage=stage, optim=optim, steps=3)
+    expected, _, _ = train_reference(run)
+    path = str(tmp_path / "full.pt")
+    run_on_ranks(2, on_ranks_save, run, path, 1, True)
+    compare(run, 3, run_on_ranks(3, on_ranks_resume, run, path, 1, True, True), reference=(expected, [], []))
 
 
 def on_ranks_template(case: Case, path: str) -> dict:

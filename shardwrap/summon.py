@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Iterator, cast
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn as nn
@@ -116,10 +116,9 @@ def _check_state(model: ShardedModule, units: list[Unit], with_grads: bool) -> N
             )
 
 
-def _full_grads(model: ShardedModule, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
-    """Each parameter's full gradient (None where it has none); every rank must agree on which
-    have one before the gathers pair up."""
-    have = [int(p.grad is not None) for p in params]
+def _agree_on_grads(model: ShardedModule, units: list[Unit]) -> None:
+    """Every rank must show gradients for the same parameters (one small all-gather)."""
+    have = [int(p.grad is not None) for unit in units for p in unit.sharded_params]
     rows = collectives.all_gather_ints([len(have), *have], model.world_group, what="summon_full_params gradients")
     if any(row != rows[0] for row in rows):
         raise RuntimeError(
@@ -127,18 +126,20 @@ def _full_grads(model: ShardedModule, params: list[nn.Parameter]) -> list[torch.
             f"different parameters (counts by rank: {[sum(row[1:]) for row in rows]}). A gradient set by hand "
             f"on one rank only, or zero_grad() on some ranks: make them alike on every rank first"
         )
-    out: list[torch.Tensor | None] = []
+
+
+def _full_grads(unit: Unit) -> list[torch.Tensor | None]:
+    """Each parameter's full gradient (None where it has none): this rank's gradient chunks laid
+    out like the shard, then one all-gather for the unit (``Unit.gather_full``)."""
+    params = unit.sharded_params
+    if all(p.grad is None for p in params):
+        return [None] * len(params)
+    flat = torch.zeros(unit.layout.shard_numel + 1, dtype=unit.dtype, device=unit.device)
     with torch.no_grad():
-        for p in params:
-            g = p.grad
-            if g is None:
-                out.append(None)
-                continue
-            assert isinstance(g, DTensor)  # a sharded parameter's gradient
-            if g.to_local().device.type != g.device_mesh.device_type:  # an offloaded host gradient on an accelerator mesh
-                g = cast(DTensor, g.to(g.device_mesh.device_type))
-            out.append(g.full_tensor())
-    return out
+        for p, view in zip(params, unit.layout.sharded_views(flat, unit.rank)):
+            if p.grad is not None:
+                view.copy_(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    return [full if p.grad is not None else None for p, full in zip(params, unit.gather_full(flat))]
 
 
 def enter(model: ShardedModule, units: list[Unit], recurse: bool, writeback: bool, rank0_only: bool,
@@ -146,11 +147,13 @@ def enter(model: ShardedModule, units: list[Unit], recurse: bool, writeback: boo
     """Gather the parameters of ``units`` and put full copies in their slots; nothing else changes."""
     modifier_rank = _check_args(model, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
     _check_state(model, units, with_grads)
+    if with_grads:
+        _agree_on_grads(model, units)
     keep = not rank0_only or model.world_rank == 0
     fulls: list[tuple[Unit, int, nn.Parameter]] = []
     for unit in units:
         values = unit.gather_full()  # every rank takes part, in the same order
-        grads = _full_grads(model, list(unit.sharded_params)) if with_grads else [None] * len(values)
+        grads = _full_grads(unit) if with_grads else [None] * len(values)
         if not keep:
             continue
         for i, (param, value, grad) in enumerate(zip(unit.sharded_params, values, grads)):

@@ -6,7 +6,10 @@ before a forward, ``model.set_requires_gradient_sync(is_last)`` around gradient 
 with ``fully_shard``'s meaning where shardwrap can keep it and an error that says what to do
 where it cannot, to two hosts: the ``ShardedModule`` (its own unit is the root unit, and
 ``recurse`` reaches every unit) and each other unit's module, where ``install`` sets them as
-instance attributes (the module's class stays the user's).
+instance attributes. Both hosts are instances of torch's ``FSDPModule``, so library code that finds
+the sharded modules with ``isinstance(m, FSDPModule)`` finds them: the ``ShardedModule`` class has
+it as a base, and a unit's module gets a subclass of its own class that adds it (as
+``fully_shard`` does), under the same name.
 
 Each method acts on every rank alike, as under ``fully_shard``: call it on every rank.
 """
@@ -15,10 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import TYPE_CHECKING, Any, ContextManager, Sequence
 
 import torch.nn as nn
 
+try:
+    from torch.distributed.fsdp import FSDPModule, UnshardHandle as _TorchUnshardHandle
+except ImportError:  # torch < 2.6 kept them here
+    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+    from torch.distributed._composable.fsdp.fully_shard import UnshardHandle as _TorchUnshardHandle  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from shardwrap.stage import Stage
@@ -40,9 +49,10 @@ _NO_EFFECT = (
 _REFUSED = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook")
 
 
-class UnshardHandle:
+class UnshardHandle(_TorchUnshardHandle):
     """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers it started
-    (the unit's next forward would finish them anyway)."""
+    (the unit's next forward would finish them anyway). A subclass of torch's, for code that
+    checks or annotates the type."""
 
     def __init__(self, units: Sequence[Unit]) -> None:
         self._units = list(units)
@@ -77,6 +87,26 @@ class FullyShardMethods:
 
     def _fs_name(self) -> str:
         raise NotImplementedError
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: the root's cleanup (``ShardedModule.
+        reset_iter_state``), from whichever module it is called on."""
+        self._fs_root().reset_iter_state()
+
+    def _get_fsdp_state(self) -> Any:
+        """``fully_shard``'s internal state, which torch's own FSDP code reads after an
+        ``isinstance(m, FSDPModule)`` check. shardwrap has none: say so, naming the module."""
+        raise NotImplementedError(
+            f"'{self._fs_name()}' is sharded by shardwrap, not by torch's fully_shard: it is an FSDPModule so that "
+            f"code finding sharded modules with isinstance() reaches its public methods (unshard, reshard, "
+            f"set_requires_gradient_sync, set_gradient_divide_factor, ...), but it has no fully_shard state for "
+            f"torch's FSDP internals (fully_shard.state(), _get_fsdp_state()) to read. Call the public methods instead"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """``fully_shard``'s private switch for how its hooks wait for their all-gathers: a
+        stream setting with no counterpart here, the numbers are the same."""
+        _check_bool("_set_unshard_async_op", "async_op", async_op)
 
     def _fs_between_steps(self, what: str) -> None:
         root = self._fs_root()
@@ -311,10 +341,59 @@ class _UnitModuleMethods(FullyShardMethods):
         return self._unit.name
 
 
+# What ``install`` sets on a unit's module: the public methods, and the two private ones of
+# ``FSDPModule`` that code outside torch's FSDP calls (torchtitan sets ``_set_unshard_async_op``).
+_INSTALLED = (*METHOD_NAMES, "_get_fsdp_state", "_set_unshard_async_op")
+
+
+class _ShardedUnitModule(FSDPModule):
+    """The base a unit's module class gains, after its own class in the MRO: the module's own
+    methods and ``nn.Module``'s (``_apply``) come first, ``FSDPModule``'s last, and every one of
+    those is shadowed by what ``install`` set on the instance."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # ``type(m)(...)`` (``nn.Sequential`` slicing) builds the user's class, as under
+        # ``fully_shard``: a new module is not a unit. No arguments: ``copy``/``pickle`` making
+        # an empty object to fill, so no ``__init__``.
+        orig = cls.__mro__[1]
+        made = object.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(orig, *args, **kwargs)
+        if args or kwargs:
+            made.__init__(*args, **kwargs)
+        return made
+
+
+_UNIT_CLASSES: dict[type, type] = {}
+
+
+def _unit_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with ``FSDPModule`` added as its last base, made once per class and named like
+    it (code that reads ``type(m).__name__``, as Hugging Face's does, sees the user's name)."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    made = _UNIT_CLASSES.get(cls)
+    if made is None:
+        try:
+            made = type(cls.__name__, (cls, _ShardedUnitModule), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            })
+        except TypeError as exc:  # a metaclass or __init_subclass__ that refuses: the class stays
+            warnings.warn(
+                f"ShardedModule: cannot add FSDPModule to {cls.__qualname__} ({exc}); its modules keep fully_shard's "
+                f"methods but isinstance(m, FSDPModule) is False for them: find them with "
+                f"hasattr(m, 'set_gradient_divide_factor')",
+                stacklevel=4,
+            )
+            made = cls
+        _UNIT_CLASSES[cls] = made
+    return made
+
+
 def install(root: ShardedModule, unit: Unit, module: nn.Module) -> None:
     """Give ``module`` (a unit's, not the root's) the methods, as instance attributes, except
-    names it already has (its own ``reshard``, say, stays its own)."""
+    names it already has (its own ``reshard``, say, stays its own), and make it an instance of
+    ``FSDPModule``."""
     host = _UnitModuleMethods(root, unit, module)
-    for name in METHOD_NAMES:
+    for name in _INSTALLED:
         if not hasattr(module, name):
             module.__dict__[name] = getattr(host, name)
+    module.__class__ = _unit_class(type(module))

@@ -122,9 +122,11 @@ def _unsharded_buffers(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
     flat parameters and FSDP2's per-parameter all-gather outputs."""
     params: list[Any] = []
     grads: list[Any] = []
-    for h in getattr(model, "units", None) or []:  # shardwrap
-        params.append(h.unsharded_buffer)
-        grads.append(h.unsharded_trainable.grad)
+    units = getattr(model, "units", None)
+    if units:  # shardwrap (its modules are FSDPModules too, without fully_shard's state)
+        params = [h.unsharded_buffer for h in units]
+        grads = [h.unsharded_trainable.grad for h in units]
+        return [t for t in params if t is not None], [t for t in grads if t is not None]
     for m in model.modules():
         flat = getattr(getattr(m, "_handle", None), "flat_param", None)  # FSDP1
         if flat is not None:

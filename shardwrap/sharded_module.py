@@ -35,7 +35,7 @@ from shardwrap import offload as offload_module
 from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
 from shardwrap.fully_shard_api import METHOD_NAMES as FULLY_SHARD_METHOD_NAMES
-from shardwrap.fully_shard_api import FullyShardMethods, install as install_fully_shard_methods
+from shardwrap.fully_shard_api import FSDPModule, FullyShardMethods, install as install_fully_shard_methods
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
@@ -826,7 +826,7 @@ def _refuse_resize(name: str) -> Callable[..., NoReturn]:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-class ShardedModule(FullyShardMethods, nn.Module):
+class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[misc]  # wider argument types
     """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
     ``shardwrap.Stage`` gives the switches directly).
 
@@ -835,7 +835,13 @@ class ShardedModule(FullyShardMethods, nn.Module):
     ``module``. ``offload=shardwrap.Offload("cpu" | "disk", path=...)`` keeps the master shards,
     their gradients and the optimizer state in host memory or mapped files
     (design/notes/offload.md).
+
+    It is an ``FSDPModule`` (the last base), as is each unit's module, so that code finding the
+    sharded modules with ``isinstance`` finds them (design/notes/fully-shard-methods.md).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ShardedModule":
+        return object.__new__(cls)  # not FSDPModule's, which builds the class it was swapped from
 
     def __init__(
         self,
@@ -1053,6 +1059,9 @@ class ShardedModule(FullyShardMethods, nn.Module):
         object.__setattr__(self, "__class__", _class_showing_signature(type(self), type(module)))
         _show_inner_signature(self, module)
         _warn_shadowed_names(self, module)
+        # The wrapped model is what model.modules() shows first (named_modules below): it carries
+        # the root unit's methods, as the model itself does under fully_shard.
+        install_fully_shard_methods(self, self._units[0], module)
         if type(self).__init__ is ShardedModule.__init__:  # a subclass's __init__ sets it when it returns
             self._wrapped = True  # from here on, attribute writes the wrapper does not own go to the model
 

@@ -4,6 +4,8 @@ module: a loop written for ``fully_shard`` runs unchanged and trains like one pr
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,7 +98,8 @@ def test_the_fsdp2_examples_loop_runs_unchanged_and_trains_like_one_process(stag
 def accumulate(model: nn.Module, rank: int | None, optim: str, on: str) -> dict:
     """Two steps of three micro-batches each; the loop turns gradient sync on for the last only,
     on the root or (``on="block"``) on one block with ``recurse=False``, as a loop over a
-    model's sharded modules does."""
+    model's sharded modules does, or (``on="fabric"``) through Lightning Fabric's own context,
+    which is such a loop over the modules that are ``FSDPModule``s."""
     opt = optimizer(model, optim)
     reductions = []
     for step in range(2):
@@ -104,10 +107,16 @@ def accumulate(model: nn.Module, rank: int | None, optim: str, on: str) -> dict:
             if rank is not None:
                 from shardwrap import collectives
 
-                target = model if on == "root" else model.blocks[1]
-                kwargs = {} if on == "root" else {"recurse": False}
-                target.set_requires_gradient_sync(micro == 2, **kwargs)
-                with collectives.count_collectives() as counts:
+                if on == "fabric":  # Lightning Fabric's no_backward_sync: finds the modules with isinstance
+                    from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+
+                    window = _FSDPNoSync(module=model, enabled=micro != 2)
+                else:
+                    target = model if on == "root" else model.blocks[1]
+                    kwargs = {} if on == "root" else {"recurse": False}
+                    target.set_requires_gradient_sync(micro == 2, **kwargs)
+                    window = contextlib.nullcontext()
+                with collectives.count_collectives() as counts, window:
                     x, y = batch(10 * step + micro, rank)
                     (((model(x) - y) ** 2).mean() / 3).backward()
                 reductions.append(counts["reduce_scatter_calls"])
@@ -123,7 +132,7 @@ def on_ranks_accumulate(stage: int, optim: str, on: str) -> dict:
     return accumulate(wrap(stage), dist.get_rank(), optim, on)
 
 
-@pytest.mark.parametrize("on", ["root", "block"])
+@pytest.mark.parametrize("on", ["root", "block", "fabric"])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_set_requires_gradient_sync_accumulates_without_communication_like_one_process(stage, optim, on):
@@ -141,11 +150,13 @@ def test_set_requires_gradient_sync_accumulates_without_communication_like_one_p
 def summed_loss_training(model: nn.Module, rank: int | None, optim: str) -> dict:
     """torchtitan's recipe for a loss normalized by the global number of tokens: each rank sums
     its tokens' losses over that number, and every sharded module's gradient is summed over the
-    ranks (divide factor 1), found the way such loops find them."""
-    if rank is not None:
-        for module in [model, *model.modules()]:
-            if callable(getattr(module, "set_gradient_divide_factor", None)):
-                module.set_gradient_divide_factor(1.0)
+    ranks (divide factor 1), found as torchtitan's loop finds them: ``isinstance(m, FSDPModule)``
+    over ``model.modules()``. Skipping any module leaves its gradient W times too small."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
     opt = optimizer(model, optim)
     for step in range(3):
         x, y = batch(step, rank)
@@ -405,3 +416,79 @@ def test_a_models_own_method_named_like_fully_shards_is_named_in_a_warning():
     a review found it silently: the wrapper now says so, and ``model.module`` reaches it."""
     for got in run_on_ranks(WORLD, on_ranks_own_reshard):
         assert any("'reshard'" in m and "model.module" in m for m in got[:-1]) and got[-1] == "3", got
+
+
+# ---- isinstance(m, FSDPModule) --------------------------------------------------------------------
+
+
+def on_ranks_fsdp_modules(stage: int) -> dict:
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+
+    model = wrap(stage)
+    found = {name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    hosts = [model, *(m for m in model.modules() if isinstance(m, FSDPModule))]
+    torchs = {n: f for n, f in vars(FSDPModule).items() if inspect.isfunction(f) and not n.startswith("__")}
+    reaches_torch = sorted(
+        f"{type(host).__name__}.{n}" for host in hosts for n, f in torchs.items()
+        if getattr(getattr(host, n), "__func__", None) is f
+    )
+    errors = []
+    for host in hosts[1:]:
+        try:
+            host._get_fsdp_state()
+        except NotImplementedError as exc:
+            errors.append(str(exc))
+    # torch's pipelining and Trainer call these on every FSDPModule they find: ours, not torch's internals
+    for host in hosts:
+        host.reset_iter_state()
+        host._set_unshard_async_op(True)
+    x, y = batch(0, dist.get_rank())
+    ((model(x) - y) ** 2).mean().backward()
+    for module in model.modules():  # transformers' Trainer before it builds the optimizer
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return {
+        "root": isinstance(model, FSDPModule),
+        "found": found,
+        "units": {n for n, m in model.named_modules() if model.unit_of_module(m) is not None},
+        "reaches_torch": reaches_torch,
+        "names": sorted({type(m).__name__ for m in hosts[1:]}),
+        "blocks": all(isinstance(m, models.Block) for m in model.blocks),
+        "errors": errors,
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_sharded_modules_are_fsdp_modules_whose_methods_are_shardwraps(stage):
+    """Library code finds sharded modules with ``isinstance(m, FSDPModule)`` (torchtitan's
+    divide-factor loop, Lightning Fabric's ``no_backward_sync``, transformers' Trainer): the
+    ShardedModule, the model it wraps (what ``model.modules()`` shows first) and every unit's
+    module are ``FSDPModule``s, each of torch's methods on them is shardwrap's, the class keeps
+    the user's name, and torch's internal state is refused with an error naming the module."""
+    for got in run_on_ranks(WORLD, on_ranks_fsdp_modules, stage):
+        assert got["root"] and got["found"] == got["units"] and got["found"] >= {"", "blocks.0", "blocks.2"}, got
+        assert got["reaches_torch"] == [] and got["names"] == ["Block", "MLP"] and got["blocks"], got
+        assert len(got["errors"]) == len(got["found"]) and all("fully_shard" in e for e in got["errors"]), got["errors"]
+        assert any(e.startswith("'blocks.1' is sharded by shardwrap") for e in got["errors"]), got["errors"]
+
+
+def on_ranks_sequential_unit() -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
+    model = ShardedModule(nn.Sequential(inner, nn.Linear(5, 5)), auto_wrap_policy=lambda m: m is inner)
+    piece = model.module[0][0:2]  # nn.Sequential slicing builds type(self)(...): a plain Sequential, as under fully_shard
+    return {
+        "unit": isinstance(model.module[0], FSDPModule),
+        "piece": (type(piece) is nn.Sequential, len(piece), piece[0] is model.module[0][0]),
+    }
+
+
+def test_slicing_a_sequential_unit_gives_a_plain_sequential():
+    for got in run_on_ranks(WORLD, on_ranks_sequential_unit):
+        assert got == {"unit": True, "piece": (True, 2, True)}, got

@@ -5,8 +5,8 @@ before a forward, ``model.set_requires_gradient_sync(is_last)`` around gradient 
 ``layer.set_modules_to_forward_prefetch([...])``. ``FullyShardMethods`` gives the same methods,
 with ``fully_shard``'s meaning where shardwrap can keep it and an error that says what to do
 where it cannot, to two hosts: the ``ShardedModule`` (its own unit is the root unit, and
-``recurse`` reaches every unit) and each other unit's module, where ``install`` sets them as
-instance attributes. Both hosts are instances of torch's ``FSDPModule``, so library code that finds
+``recurse`` reaches every unit) and each unit's module (the wrapped model for the root unit),
+where ``install`` sets them as instance attributes. Both hosts are instances of torch's ``FSDPModule``, so library code that finds
 the sharded modules with ``isinstance(m, FSDPModule)`` finds them: the ``ShardedModule`` class has
 it as a base, and a unit's module gets a subclass of its own class that adds it (as
 ``fully_shard`` does), under the same name.
@@ -320,7 +320,7 @@ METHOD_NAMES = tuple(
 
 
 class _UnitModuleMethods(FullyShardMethods):
-    """The host for a unit's module other than the root's."""
+    """The host for a unit's module (the wrapped model, for the root unit)."""
 
     def __init__(self, root: ShardedModule, unit: Unit, module: nn.Module) -> None:
         self._root, self._unit, self._module = root, unit, module
@@ -389,7 +389,7 @@ def _unit_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def install(root: ShardedModule, unit: Unit, module: nn.Module) -> None:
-    """Give ``module`` (a unit's, not the root's) the methods, as instance attributes, except
+    """Give ``module`` (a unit's; the wrapped model for the root unit) the methods, as instance attributes, except
     names it already has (its own ``reshard``, say, stays its own), and make it an instance of
     ``FSDPModule``."""
     host = _UnitModuleMethods(root, unit, module)

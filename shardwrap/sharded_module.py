@@ -256,7 +256,7 @@ def _warn_shadowed_names(wrapper: nn.Module, inner: nn.Module) -> None:
         registries = (inner.__dict__, inner._parameters, inner._buffers, inner._modules)
         return any(name in r for r in registries) or (hasattr(type(inner), name) and not hasattr(nn.Module, name))
 
-    own = [*wrapper.__dict__, *FULLY_SHARD_METHOD_NAMES, "reset_iter_state"]  # settings, and fully_shard's methods
+    own = [*wrapper.__dict__, *FULLY_SHARD_METHOD_NAMES]  # settings, and fully_shard's methods
     clash = sorted({n for n in own if not n.startswith("_") and n not in ("training", "forward") and held_by_inner(n)})
     if clash:
         names = ", ".join(f"'{n}'" for n in clash)

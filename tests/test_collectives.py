@@ -125,14 +125,18 @@ def test_a_pairwise_work_knows_when_every_peer_started_it(world):
 # ---- a unit's collectives as one message per peer -------------------------------------------------
 
 
-def _one_message_per_peer(case, world_size: int) -> dict:
-    """``parity.train_sharded`` with every unit's all-gather and reduce-scatter sent as one
-    contiguous message per peer (the form units of many small parameters take; the harness makes
-    every unit send pieces), and which form each unit took."""
+def _one_message_per_peer(case, world_size: int, form: str) -> dict:
+    """``parity.train_sharded`` with every unit's all-gather sent as one contiguous message per
+    peer (the form units of many small parameters take; the harness makes every unit send
+    pieces), or (``form="torch"``) with every collective torch's own (what an NCCL group runs:
+    the reduce-scatter copies the rank-major gradient and the used-flags into one packed
+    buffer), and which form each unit's reduce-scatter took."""
     import parity
 
-    saved = collectives.PIECES_MIN_BYTES
+    saved = collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES
     collectives.PIECES_MIN_BYTES = 1 << 40
+    if form == "torch":
+        collectives.PAIRWISE_MIN_BYTES = 1 << 40
     try:
         result = parity.train_sharded(case)
         from shardwrap import ShardedModule
@@ -140,18 +144,22 @@ def _one_message_per_peer(case, world_size: int) -> dict:
         model = ShardedModule(parity.build_model(case), auto_wrap_policy=parity.resolve_policy(case), stage=case.stage)
         result["direct"] = [u._reduces_directly() for u in model.units if u.has_trainable]
     finally:
-        collectives.PIECES_MIN_BYTES = saved
+        collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES = saved
     return result
 
 
+@pytest.mark.parametrize("form", ["one message", "torch"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_units_sending_one_message_per_peer_match_the_single_process_model(stage, optim):
+def test_units_sending_one_message_per_peer_match_the_single_process_model(stage, optim, form):
     from parity import Case, compare
 
     case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, stage=stage)
-    results = run_on_ranks(2, _one_message_per_peer, case, 2)
-    assert all(not any(r["direct"]) for r in results), [r["direct"] for r in results]
+    results = run_on_ranks(2, _one_message_per_peer, case, 2, form)
+    # pairwise, stages 2 and 3 send the rank-major gradient's rows as they are; stage 1 and
+    # torch's collectives pack
+    direct = form == "one message" and stage > 1
+    assert all(all(d == direct for d in r["direct"]) for r in results), [r["direct"] for r in results]
     compare(case, 2, results)
 
 

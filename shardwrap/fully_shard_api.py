@@ -58,11 +58,15 @@ class UnshardHandle(_TorchUnshardHandle):
         self._units = list(units)
 
     def wait(self) -> None:
-        from shardwrap.unit import DataState
+        """Finish the gathers; each unit this finishes shows its full parameters in its module's
+        slots, as ``fully_shard`` registers them (``Unit.show_unsharded_params``)."""
+        from shardwrap.unit import DataState, TrainingState
 
         for unit in self._units:
             if unit.data_state is DataState.GATHERING:  # a forward may have finished (and freed) it since
                 unit.unshard()
+                if unit.data_state is DataState.UNSHARDED and unit.training_state is TrainingState.IDLE:
+                    unit.show_unsharded_params()
         self._units = []
 
 
@@ -122,8 +126,12 @@ class FullyShardMethods:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's own unit now (not recursive, as in ``fully_shard``); its next
         forward then gathers nothing. ``async_op``: return a handle whose ``wait()`` finishes
-        the gather (the forward waits for it otherwise). The unit is freed again as its stage
-        says (after its forward at stage 3) or by ``reshard()``."""
+        the gather (the forward waits for it otherwise). Once gathered, the module's parameters
+        are full-shape plain tensors in its slots (``module.weight``), for reading, as under
+        ``fully_shard``, until its next forward, ``reshard()`` or the end of a backward. The unit
+        is freed again as its stage says (after its forward at stage 3) or by ``reshard()``."""
+        from shardwrap.unit import DataState, TrainingState
+
         _check_bool("unshard", "async_op", async_op)
         root = self._fs_root()
         root.refuse_out_of_step("unshard()")
@@ -132,6 +140,9 @@ class FullyShardMethods:
         units = [u for u in self._fs_own() if u.needs_gather]
         for unit in units:
             unit.unshard(async_op=True)
+        for unit in self._fs_own():  # gathered already (stage 1, or kept): full at once
+            if unit not in units and unit.data_state is DataState.UNSHARDED and unit.training_state is TrainingState.IDLE:
+                unit.show_unsharded_params()
         handle = UnshardHandle(units)
         if async_op:
             return handle

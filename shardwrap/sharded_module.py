@@ -1146,10 +1146,12 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         if not self._in_call and torch._C._current_graph_task_id() == -1:
             # No forward or backward runs, yet a unit may still have the gathered views in its
-            # slots: its forward or backward raised, and the next forward cleans up. The sharded
-            # parameters go back first, so a new optimizer (or clipping) gets them, not views.
+            # slots: its forward or backward raised, and the next forward cleans up; or it shows
+            # its full parameters after unshard(), as fully_shard does (read through the module:
+            # model.blocks[0].up.weight). The sharded parameters go back first, so a new
+            # optimizer, clipping or requires_grad_ gets them.
             for unit in self._units:
-                if unit.training_state is not TrainingState.IDLE:
+                if unit.training_state is not TrainingState.IDLE or unit.showing_full:
                     unit.show_sharded_params()
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
@@ -1868,6 +1870,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                     f"now, its collectives could pair with a peer's that is still inside that step"
                 )
             raise RuntimeError(f"rank {collectives.rank()}: {what} called during forward or backward; call it between steps")
+        for unit in self._units:  # full views an unshard() left: what follows walks the slots
+            if unit.showing_full:
+                unit.show_sharded_params()
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """``{original name: DTensor(Shard(0))}`` for parameters, plain tensors for buffers.

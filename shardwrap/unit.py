@@ -458,6 +458,9 @@ class Unit:
         # so a call whose graph was dropped without a backward goes with it), and the graph task
         # for which pre_backward has looked at them
         self._view_sets = 0
+        # the slots hold full views outside the unit's forward and backward, after unshard()
+        # (ShardedModule.named_parameters puts the shards back)
+        self.showing_full = False
         self._forward_views: _Views | None = None
         self._awaited: list[tuple[int, int]] = []
         self.release_due = False
@@ -959,6 +962,9 @@ class Unit:
         if self._reentered:  # an inner call ended; the outer one still runs
             self._reentered -= 1
             return output
+        # (fully_shard leaves the root's unsharded parameters registered from here to its
+        # backward; shardwrap puts the shards back: design/notes/fully-shard-methods.md, "Full
+        # parameters")
         self._install_sharded_params()
         self.training_state = TrainingState.IDLE
         views, self._forward_views = self._forward_views, None
@@ -1533,6 +1539,22 @@ class Unit:
         """The slots hold the sharded parameters again (after a recomputation that stopped early)."""
         self._install_sharded_params()
 
+    def show_unsharded_params(self) -> None:
+        """The slots get full-shape views of the gathered parameters, with no autograd history
+        (for reading), as ``fully_shard``'s ``unshard()`` registers its unsharded parameters.
+        They stay until the unit's next forward installs its own, ``reshard()``, or the end of a
+        backward."""
+        self._expect_data("show its gathered parameters", DataState.UNSHARDED)
+        with torch.no_grad():
+            views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
+        for i, slot in enumerate(self.layout.slots):
+            if slot.tp is not None:
+                views[i] = slot.tp.view(views[i])
+        for view, slots in zip(views, self.slots):
+            for module, attr in slots:
+                module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
+        self.showing_full = True
+
     def show_sharded_params(self) -> None:
         """The slots get the sharded parameters back, and nothing else changes: after a forward or
         backward that raised, until the next forward cleans up (``ShardedModule.named_parameters``)."""
@@ -1540,6 +1562,7 @@ class Unit:
 
     def _install_sharded_params(self) -> None:
         """Point every slot back at its sharded parameter (what the optimizer and users see)."""
+        self.showing_full = False
         for param, slots in zip(self.sharded_params, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = param
@@ -1684,11 +1707,15 @@ class Unit:
         used-flags as messages of their own (the pairwise path) rather than copying both into one
         packed buffer. The same answer on every rank (dtype, device, sizes and stage only): a rank
         whose backward never reached the unit must send the same messages. Stage 1 keeps
-        packing: its persistent gradient buffer is zeroed right after the pack."""
+        packing: its persistent gradient buffer is zeroed right after the pack.
+
+        Units whose all-gather sends one message (small parameters, ``sends_pieces``) pack too:
+        on GPT-2 at W=2 the flags' own message cost what the pack saved (design/notes/cpu-collectives.md,
+        "The gradient, rank-major")."""
         if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
             return False
-        packed_bytes = self.world_size * (self.layout.grad_shard_numel + self.layout.num_trainable) * self.reduce_dtype.itemsize
-        return collectives.uses_pairwise(self.reduce_group, self.device, packed_bytes)  # as reduce_scatter decides
+        shard_bytes = (self.layout.grad_shard_numel + self.layout.num_trainable) * self.reduce_dtype.itemsize
+        return collectives.sends_pieces(self.reduce_group, self.device, shard_bytes, self.layout.num_trainable + 1)
 
     def finish_grad_beside_compute(self) -> bool:
         """Offload on a GPU, right after the reduce-scatter starts: queue the rest of the unit's

@@ -552,3 +552,20 @@ def gpt2_checkpointed(checkpoint_kwargs: dict | None = None, **gpt2_kwargs: Any)
 def many_linears(count: int = 70, dim: int = 4) -> nn.Module:
     """``count`` small Linear layers in a row: one unit with many parameters."""
     return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(count)))
+
+
+def parametrized_mlp(dim: int = 16, depth: int = 3, kind: str = "weight_norm") -> nn.Module:
+    """``mlp`` with torch's parametrizations inside the units: each block's ``up`` weight through
+    ``kind`` (``weight_norm``: the weight is ``g * v / |v|``, two parameters; ``orthogonal``: the
+    weight is a function of one unconstrained parameter; ``spectral_norm``: the weight divided by
+    its largest singular value, estimated by power iteration in buffers updated at every training
+    forward), and the head's weight through ``weight_norm``. The module's parameters are then
+    ``parametrizations.weight.original*``."""
+    from torch.nn.utils import parametrizations
+
+    model = mlp(dim, depth)
+    apply = getattr(parametrizations, kind)
+    for block in model.blocks:
+        apply(block.up)
+    parametrizations.weight_norm(model.head)
+    return model

@@ -492,3 +492,54 @@ def on_ranks_sequential_unit() -> dict:
 def test_slicing_a_sequential_unit_gives_a_plain_sequential():
     for got in run_on_ranks(WORLD, on_ranks_sequential_unit):
         assert got == {"unit": True, "piece": (True, 2, True)}, got
+
+
+# ---- full parameters where fully_shard shows them ------------------------------------------------
+
+
+def on_ranks_unshard_shows(stage: int, async_op: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    model = wrap(stage)
+    opt = optimizer(model, "sgd")
+    full = full_params(model)
+    block = model.blocks[1]
+    seen = []
+    for step in range(2):
+        handle = block.unshard(async_op=async_op)
+        if handle is not None:
+            handle.wait()
+        own = dict(block.named_parameters())
+        seen.append(all(type(p) is torch.Tensor and torch.equal(p, full[f"blocks.1.{n}"]) for n, p in own.items()))
+        seen.append(isinstance(model.blocks[2].up.weight, DTensor))  # another unit's: untouched
+        if step == 0:
+            block.reshard()
+            seen.append(all(isinstance(p, DTensor) for p in block.parameters()))
+        x, y = batch(step, dist.get_rank())
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        full = full_params(model)
+        seen.append(all(isinstance(p, DTensor) for p in block.parameters()))
+    return {"seen": seen, "params": full}
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unshard_shows_the_full_parameters_until_reshard_or_the_forward(stage, async_op):
+    """``unshard()`` (or its handle's ``wait()``) leaves the module's own parameters full-shape
+    plain tensors holding the full values, as ``fully_shard`` registers its unsharded ones; the
+    other units' stay DTensors; ``reshard()`` and the next forward put the DTensors back; the
+    training is one process's."""
+    torch.manual_seed(0)
+    model = models.mlp()
+    opt = optimizer(model, "sgd")
+    for step in range(2):
+        x, y = batch(step)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = full_params(model)
+    for got in run_on_ranks(WORLD, on_ranks_unshard_shows, stage, async_op):
+        assert got["seen"] == [True, True, True, True, True, True, True], got["seen"]
+        assert_params_match(got["params"], expected)

@@ -1333,3 +1333,18 @@ def test_an_optimizer_keeping_full_state_of_its_own_is_not_taken_for_a_loaded_on
     full = run_on_ranks(2, on_ranks_full_momentum, stage)[0]
     for name, value in expected.items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- parametrizations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal", "spectral_norm"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_parametrized_weights_train_like_one_process(kind, stage, optim):
+    """torch's parametrizations (``torch.nn.utils.parametrizations``) registered before wrapping:
+    the units shard the parametrization's own parameters (``original``, ``original0``/``1``), the
+    weight is computed from the gathered ones at every forward, and training equals one process."""
+    from parity import Case, check_parity
+
+    check_parity(Case("parametrized_mlp", {"kind": kind}, policy="Block", optim=optim, stage=stage), 2)

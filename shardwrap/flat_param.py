@@ -11,10 +11,8 @@ A unit's parameters are laid out twice (see design/notes/dim0-layout.md):
   ``i`` occupies ``W * ceil(dim0 / W) * inner`` elements, which is the full tensor followed by
   its padding rows.
 
-Moving from the gathered rows to the parameters is one ``split_with_sizes_copy``. The gradient
-takes the other way in one copy too: autograd hands the views' gradients to ``UnitViews``, whose
-backward writes them rank-major, as the reduce-scatter sends them (design/notes/dim0-layout.md,
-"The gradient, rank-major").
+Moving between the two layouts is one ``split_with_sizes_copy`` (after an all-gather) or one
+``cat`` (before a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -183,25 +181,19 @@ class FlatLayout:
     def unsharded_views(self, trainable: torch.Tensor, frozen: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter full-shape views of the padded unsharded buffers.
 
-        ``trainable`` is the autograd leaf over the trainable prefix. Its views come from one
-        ``UnitViews`` node, whose backward gives the leaf the whole gradient at once, rank-major
-        (``grads_to_rank_major``); ``frozen`` needs no gradient and is cut with plain views.
+        ``trainable`` is the autograd leaf over the trainable prefix. One ``split`` call per
+        buffer makes autograd return the whole flat gradient from a single node, with zeros
+        for the padding pieces (design/notes/freeing-unsharded-storage.md).
         """
-        n = self.num_trainable
         views: list[torch.Tensor] = []
-        if n:
-            pieces = UnitViews.apply(trainable, self.world_size, self.grad_shard_numel, tuple(self.slots[:n]))
-            views += [piece.view(s.shape) for piece, s in zip(pieces, self.slots[:n])]
-        offset = 0
-        for s, size in zip(self.slots[n:], self.padded_sizes[n:]):
-            views.append(frozen.narrow(0, offset, s.dim0 * s.inner).view(s.shape))
-            offset += size
+        for buffer, slots in ((trainable, self.slots[: self.num_trainable]), (frozen, self.slots[self.num_trainable :])):
+            sizes: list[int] = []
+            for s in slots:
+                numel = s.dim0 * s.inner
+                sizes += [numel, self.world_size * s.chunk_numel - numel]
+            pieces = buffer.split(sizes) if slots else ()
+            views += [pieces[2 * i].view(s.shape) for i, s in enumerate(slots)]
         return views
-
-    def grads_to_rank_major(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-        """The trainable parameters' full gradients (``None``: zeros) -> rank-major ``out``
-        (``W`` rows of ``grad_shard_numel``)."""
-        _write_rank_major(self.slots[: self.num_trainable], self.world_size, self.grad_shard_numel, grads, out)
 
     # ---- layout conversions ------------------------------------------------------------------
 
@@ -212,18 +204,18 @@ class FlatLayout:
         outs = [piece.view(W, n) for piece, n in zip(padded_unsharded.split(self.padded_sizes), self.chunk_sizes)]
         torch.split_with_sizes_copy(rows, self.chunk_sizes, dim=1, out=outs)
 
-    def pack_for_reduce_scatter(self, rank_major_grad: torch.Tensor, out: torch.Tensor) -> None:
-        """Rank-major gradient (``W`` rows of ``S_grad``) -> rank-major ``out`` (``W`` rows of
-        ``S_grad + k``). The last ``k`` columns (the used-flags, one per trainable parameter) are
-        left to the caller."""
-        W, S = self.world_size, self.grad_shard_numel
-        out.view(W, -1).narrow(1, 0, S).copy_(rank_major_grad.view(W, S))
+    def pack_for_reduce_scatter(self, padded_grad: torch.Tensor, out: torch.Tensor) -> None:
+        """Parameter-major padded gradient -> rank-major ``out`` (``W`` rows of ``S_grad + k``).
 
-    def rank_rows_of_grad(self, rank_major_grad: torch.Tensor, rank: int, count: int | None = None) -> list[torch.Tensor]:
-        """Views of rank ``rank``'s row of a rank-major gradient, one per parameter, shaped like
-        ``sharded_views``."""
-        W, S = self.world_size, self.grad_shard_numel
-        return self.sharded_views(rank_major_grad.view(W, S)[rank], rank, count)
+        The last ``k`` columns (the used-flags, one per trainable parameter) are left to the caller.
+        """
+        W, n = self.world_size, self.num_trainable
+        rows = out.view(W, -1).narrow(1, 0, self.grad_shard_numel)
+        pieces = padded_grad.split(self.padded_sizes[:n])
+        torch.cat([p.view(W, c) for p, c in zip(pieces, self.chunk_sizes[:n])], dim=1, out=rows)
+        for s in self.slots[:n]:
+            if s.replicated:  # every rank's copy receives the sum of every rank's gradient
+                rows[:, s.shard_offset] = rows[0, s.shard_offset]
 
     def pack_rank_rows(self, padded_unsharded: torch.Tensor, out: torch.Tensor, rank: int) -> None:
         """Rank ``rank``'s padded chunks of a parameter-major buffer -> its flat shard ``out``."""
@@ -250,59 +242,3 @@ class FlatLayout:
             src = tensor.reshape(s.dim0, s.inner).narrow(0, s.first_row(rank), rows)
             dst.narrow(0, 0, rows * s.inner).copy_(src.reshape(-1))
             dst.narrow(0, rows * s.inner, s.chunk_numel - rows * s.inner).zero_()
-
-
-def _write_rank_major(slots: Sequence[ParamSlot], world_size: int, shard_numel: int, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Write each parameter's full gradient into its columns of the rank-major ``out``: rank
-    ``r``'s row holds row-chunk ``r`` of every parameter, padding rows zero. A 0-dim parameter's
-    gradient goes to every rank's copy (each receives the sum over ranks)."""
-    rows = out.view(world_size, shard_numel)
-    if all(g is not None and not s.replicated and s.dim0 * s.inner == world_size * s.chunk_numel for s, g in zip(slots, grads)):
-        # no padding anywhere: one cat, as autograd's split backward would have made the flat gradient
-        torch.cat([g.reshape(world_size, s.chunk_numel) for s, g in zip(slots, grads)], dim=1, out=rows)  # type: ignore[union-attr]
-        return
-    for s, g in zip(slots, grads):
-        dst = rows.narrow(1, s.shard_offset, s.chunk_numel)
-        if s.chunk_numel == 0:  # a zero-size parameter
-            continue
-        if g is None:
-            dst.zero_()
-        elif s.replicated:
-            dst.copy_(g.reshape(1, 1).expand(world_size, 1))
-        else:
-            flat, c = g.reshape(-1), s.chunk_numel
-            full, rest = divmod(flat.numel(), c)  # ranks whose chunk is all rows, then one partial
-            if full:
-                dst[:full].copy_(flat[: full * c].view(full, c))
-            if full < world_size:
-                dst[full, :rest].copy_(flat[full * c :])
-                dst[full, rest:].zero_()
-                dst[full + 1 :].zero_()
-
-
-class UnitViews(torch.autograd.Function):
-    """The trainable parameters of a unit as flat views of its unsharded leaf (each the full
-    tensor, without its padding rows), made by one autograd node.
-
-    Its backward takes the views' gradients and writes them straight into the layout the
-    reduce-scatter sends: rank-major, row-chunk ``r`` of every parameter in rank ``r``'s row.
-    That gradient is the leaf's (``leaf.grad`` is rank-major: design/notes/dim0-layout.md).
-    A ``split`` would assemble a parameter-major flat gradient, which the reduce-scatter would
-    then copy again. Outputs nothing used get ``None`` (no zeros materialized), so the node's
-    pre-hook sees which parameters a backward reached (design/notes/unused-parameters.md).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, world_size: int, shard_numel: int, slots: tuple[ParamSlot, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        ctx.geometry = (world_size, shard_numel, slots, flat.dtype, flat.device)
-        W = world_size
-        return tuple(flat.narrow(0, W * s.shard_offset, s.dim0 * s.inner) for s in slots)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        world_size, shard_numel, slots, dtype, device = ctx.geometry
-        # zeros where no output got a gradient, as split's backward gives: the leaf's hooks still run
-        out = torch.empty(world_size * shard_numel, dtype=dtype, device=device)
-        _write_rank_major(slots, world_size, shard_numel, grads, out)
-        return (out, None, None, None)

@@ -1093,13 +1093,13 @@ class Unit:
             )
 
     def _note_used_grads(self, made: int, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        """Autograd node pre-hook on the views' ``UnitViews`` node: record which trainable views
-        received a gradient (one output per trainable parameter; autograd passes None for an output
-        nothing used). ``made``: the leaf the views are of."""
+        """Autograd node pre-hook on the views' split: record which trainable views received a
+        gradient (the split's outputs alternate a parameter's piece and its padding; autograd
+        passes None for an output nothing used). ``made``: the leaf the views are of."""
         self._check_leaf(made)
         used = self._grad_used
         for i in range(len(used)):
-            if grad_outputs[i] is not None:
+            if grad_outputs[2 * i] is not None:
                 used[i] = True
 
     def take_usage(self) -> torch.Tensor | bool:
@@ -1649,7 +1649,7 @@ class Unit:
         else:
             total = accumulated if grad is None else accumulated.add_(grad)
         layout, W = self.layout, self.world_size
-        if self._reduces_directly():  # already rank-major: reduce_scatter_grad sends its rows
+        if self._reduces_directly():  # kept parameter-major: reduce_scatter_grad sends its pieces
             if self._packed is not None:
                 total = total.add_(self._packed)  # ours: the leaf lets go of its gradient below
             self._packed, self._grad = total, GradState.PACKED
@@ -1686,13 +1686,16 @@ class Unit:
         if packed is not None and before != 1:  # fp16: part of the average before the sum (the flags are set after)
             packed.div_(before)
         if self._reduces_directly():
-            # Rank r is sent row r of the rank-major sum (its chunk of every parameter, already
-            # in its shard layout) and the used-flags: two messages, no pack
-            # (design/notes/cpu-collectives.md, "The gradient, rank-major").
+            # Rank r is sent its chunk of each parameter's gradient straight from the
+            # parameter-major sum, and the used-flags; the chunks arrive in this rank's shard
+            # layout (design/notes/cpu-collectives.md).
             if packed is None:
                 packed = torch.zeros(W * S, dtype=self.reduce_dtype, device=self.device)
-            sends = [[row, flags] for row in packed.view(W, S)]
-            outs = [output.narrow(0, 0, S), output.narrow(0, S, n)]
+            slots = self.layout.slots[:n]
+            rows = [piece.view(W, c) for piece, c in zip(packed.split(self.layout.padded_sizes[:n]), self.layout.chunk_sizes[:n])]
+            # A 0-dim parameter's gradient is in row 0; every rank's copy gets the sum of row 0s.
+            sends = [[row[0 if s.replicated else r] for row, s in zip(rows, slots)] + [flags] for r in range(W)]
+            outs = [output.narrow(0, s.shard_offset, s.chunk_numel) for s in slots] + [output.narrow(0, S, n)]
             work = collectives.reduce_scatter_pieces(outs, sends, self.reduce_group, async_op=True)
         else:
             if packed is None:
@@ -1703,15 +1706,10 @@ class Unit:
         self._grad = GradState.IN_FLIGHT
 
     def _reduces_directly(self) -> bool:
-        """Whether this unit's reduce-scatter sends the rank-major gradient's rows and the
-        used-flags as messages of their own (the pairwise path) rather than copying both into one
-        packed buffer. The same answer on every rank (dtype, device, sizes and stage only): a rank
-        whose backward never reached the unit must send the same messages. Stage 1 keeps
-        packing: its persistent gradient buffer is zeroed right after the pack.
-
-        Units whose all-gather sends one message (small parameters, ``sends_pieces``) pack too:
-        on GPT-2 at W=2 the flags' own message cost what the pack saved (design/notes/cpu-collectives.md,
-        "The gradient, rank-major")."""
+        """Whether this unit's reduce-scatter sends per-parameter pieces (the pairwise path) rather
+        than a rank-major packed buffer. The same answer on every rank (dtype, device, sizes and
+        stage only): a rank whose backward never reached the unit must send the same pieces.
+        Stage 1 keeps packing: its persistent gradient buffer is zeroed right after the pack."""
         if self.stage.keep_unsharded_grad or self.layout.grad_shard_numel == 0:
             return False
         shard_bytes = (self.layout.grad_shard_numel + self.layout.num_trainable) * self.reduce_dtype.itemsize
@@ -1820,7 +1818,7 @@ class Unit:
         n = self.layout.num_trainable
         views = self.layout.sharded_views(sharded_grad, self.rank, n)
         leaf_grad = self.unsharded_trainable.grad
-        rows = self.layout.rank_rows_of_grad(leaf_grad, self.rank, n) if into_rows and self.shard_in_unsharded and leaf_grad is not None else None
+        rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if into_rows and self.shard_in_unsharded and leaf_grad is not None else None
         slots = self.layout.slots
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
             if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone

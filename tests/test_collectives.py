@@ -126,11 +126,10 @@ def test_a_pairwise_work_knows_when_every_peer_started_it(world):
 
 
 def _one_message_per_peer(case, world_size: int, form: str) -> dict:
-    """``parity.train_sharded`` with every unit's all-gather sent as one contiguous message per
-    peer (the form units of many small parameters take; the harness makes every unit send
-    pieces), or (``form="torch"``) with every collective torch's own (what an NCCL group runs:
-    the reduce-scatter copies the rank-major gradient and the used-flags into one packed
-    buffer), and whether any unit's reduce-scatter sent its rows unpacked."""
+    """``parity.train_sharded`` with every unit's all-gather and reduce-scatter sent as one
+    contiguous message per peer (the form units of many small parameters take; the harness makes
+    every unit send pieces), or (``form="torch"``) with every collective torch's own (what an
+    NCCL group runs), and which form each unit's reduce-scatter took."""
     import parity
 
     saved = collectives.PIECES_MIN_BYTES, collectives.PAIRWISE_MIN_BYTES
@@ -156,8 +155,6 @@ def test_units_sending_one_message_per_peer_match_the_single_process_model(stage
 
     case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, stage=stage)
     results = run_on_ranks(2, _one_message_per_peer, case, 2, form)
-    # units of small parameters, stage 1 and torch's collectives pack the rank-major gradient
-    # beside the used-flags (the harness's thresholds make the rest of the suite send its rows)
     assert all(not any(r["direct"]) for r in results), [r["direct"] for r in results]
     compare(case, 2, results)
 

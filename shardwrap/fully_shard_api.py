@@ -60,13 +60,12 @@ class UnshardHandle(_TorchUnshardHandle):
     def wait(self) -> None:
         """Finish the gathers; each unit this finishes shows its full parameters in its module's
         slots, as ``fully_shard`` registers them (``Unit.show_unsharded_params``)."""
-        from shardwrap.unit import DataState, TrainingState
+        from shardwrap.unit import DataState
 
         for unit in self._units:
             if unit.data_state is DataState.GATHERING:  # a forward may have finished (and freed) it since
                 unit.unshard()
-                if unit.data_state is DataState.UNSHARDED and unit.training_state is TrainingState.IDLE:
-                    unit.show_unsharded_params()
+                unit.show_unsharded_params()
         self._units = []
 
 
@@ -130,8 +129,6 @@ class FullyShardMethods:
         are full-shape plain tensors in its slots (``module.weight``), for reading, as under
         ``fully_shard``, until its next forward, ``reshard()`` or the end of a backward. The unit
         is freed again as its stage says (after its forward at stage 3) or by ``reshard()``."""
-        from shardwrap.unit import DataState, TrainingState
-
         _check_bool("unshard", "async_op", async_op)
         root = self._fs_root()
         root.refuse_out_of_step("unshard()")
@@ -141,7 +138,7 @@ class FullyShardMethods:
         for unit in units:
             unit.unshard(async_op=True)
         for unit in self._fs_own():  # gathered already (stage 1, or kept): full at once
-            if unit not in units and unit.data_state is DataState.UNSHARDED and unit.training_state is TrainingState.IDLE:
+            if unit not in units:
                 unit.show_unsharded_params()
         handle = UnshardHandle(units)
         if async_op:

@@ -1487,13 +1487,16 @@ class Unit:
                     node = views[i].grad_fn
                     assert node is not None  # a view of the flat leaf, made in grad mode
                     node.register_prehook(keep)
+        self._put_in_slots(views)
+        return installed
+
+    def _put_in_slots(self, views: list[torch.Tensor]) -> None:
         for i, slot in enumerate(self.layout.slots):
             if slot.tp is not None:  # the module's forward and its TP hooks expect the TP DTensor
                 views[i] = slot.tp.view(views[i])
         for view, slots in zip(views, self.slots):
             for module, attr in slots:
                 module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
-        return installed
 
     def _check_slots(self) -> None:
         """Between forwards every slot holds its sharded parameter. One that holds something else
@@ -1543,16 +1546,11 @@ class Unit:
         """The slots get full-shape views of the gathered parameters, with no autograd history
         (for reading), as ``fully_shard``'s ``unshard()`` registers its unsharded parameters.
         They stay until the unit's next forward installs its own, ``reshard()``, or the end of a
-        backward."""
-        self._expect_data("show its gathered parameters", DataState.UNSHARDED)
+        backward. Nothing happens unless the unit is gathered and outside a forward or backward."""
+        if self.data_state is not DataState.UNSHARDED or self.training_state is not TrainingState.IDLE:
+            return
         with torch.no_grad():
-            views = self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen)
-        for i, slot in enumerate(self.layout.slots):
-            if slot.tp is not None:
-                views[i] = slot.tp.view(views[i])
-        for view, slots in zip(views, self.slots):
-            for module, attr in slots:
-                module._parameters[attr] = view  # type: ignore[assignment]  # a plain tensor, on purpose
+            self._put_in_slots(self.layout.unsharded_views(self.unsharded_trainable, self.unsharded_frozen))
         self.showing_full = True
 
     def show_sharded_params(self) -> None:

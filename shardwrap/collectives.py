@@ -3,15 +3,19 @@
 This is the only module of the package that calls ``torch.distributed``, so every byte that
 crosses ranks is visible here and counted by ``count_collectives``: the data collectives, the
 one-integer count exchanges, object broadcasts and barriers. Process-group construction
-(``default_mesh``, ``reduce_group_for``, ``init_fake_world``) lives here too.
+(``default_mesh``, ``reduce_group_for``, ``init_fake_world``) lives here too, and so does the
+exit hook that lets gloo's worker threads finish before the interpreter finalizes.
 
 The tensor functions work on flat 1-D tensors over the process group of a 1-D mesh.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
 import pickle
+import time
 import weakref
 from collections import Counter
 from contextlib import contextmanager
@@ -569,3 +573,52 @@ def init_fake_world(world: int) -> None:
             return
         dist.destroy_process_group()  # a simulation at another world size: the last one's fake world goes
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+# ---- process exit --------------------------------------------------------------------------------
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each gloo process group's worker threads
+
+
+def gloo_worker_states() -> list[str] | None:
+    """The scheduler state of each of this process's gloo worker threads ('R': running or waiting
+    for a core, 'S': asleep), from ``/proc``; None where ``/proc`` is not there to ask."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name_end = stat.rindex(")")
+        if stat[stat.index("(") + 1 : name_end] == GLOO_WORKER:
+            states.append(stat[name_end + 2])
+    return states
+
+
+def let_gloo_workers_finish(limit_s: float = 2.0) -> None:
+    """Free the GIL until no gloo worker thread is running: the last thing a worker does with a
+    finished collective is drop its tensors, and one whose Python object the caller dropped
+    first needs the GIL for that. Called at exit, before the interpreter finalizes: a thread that
+    takes the GIL after that point is ended by ``pthread_exit``, whose unwinding through torch's
+    ``noexcept`` destructors aborts the process ("terminate called without an active
+    exception"). [design/notes/failure-modes.md, "An abort at exit"]"""
+    states = gloo_worker_states()
+    if states is None:  # no /proc: a short pause covers a worker that is about to finish
+        if dist.is_available() and dist.is_initialized():
+            time.sleep(0.02)
+        return
+    if not states:
+        return
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)  # the GIL is free: a worker waiting for it takes it now
+        quiet = 0 if "R" in (gloo_worker_states() or []) else quiet + 1
+
+
+atexit.register(let_gloo_workers_finish)

@@ -233,7 +233,7 @@ if __name__ == "__main__":
         for scenario in sys.argv[3:]:
             run(out_dir, n, scenario)
     finally:
-        # Lightning leaves its process group up; one alive at interpreter exit can end the process
-        # in SIGABRT ("terminate called without an active exception"), plain DDP included.
+        # Lightning leaves its process group up. (A process aborting at exit, "terminate called
+        # without an active exception", is a different matter: design/notes/failure-modes.md.)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -582,7 +582,8 @@ GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each gloo process group'
 
 def gloo_worker_states() -> list[str] | None:
     """The scheduler state of each of this process's gloo worker threads ('R': running or waiting
-    for a core, 'S': asleep), from ``/proc``; None where ``/proc`` is not there to ask."""
+    for a core, 'D': in an uninterruptible wait such as a page fault, 'S': asleep), from
+    ``/proc``; None where ``/proc`` is not there to ask."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -603,10 +604,13 @@ def gloo_worker_states() -> list[str] | None:
 def let_gloo_workers_finish(limit_s: float = 2.0) -> None:
     """Free the GIL until no gloo worker thread is running: the last thing a worker does with a
     finished collective is drop its tensors, and one whose Python object the caller dropped
-    first needs the GIL for that. Called at exit, before the interpreter finalizes: a thread that
-    takes the GIL after that point is ended by ``pthread_exit``, whose unwinding through torch's
-    ``noexcept`` destructors aborts the process ("terminate called without an active
-    exception"). [design/notes/failure-modes.md, "An abort at exit"]"""
+    first needs the GIL for that. Called at exit, before the interpreter finalizes: CPython
+    3.10-3.13 end a thread that takes the GIL after that point with ``pthread_exit``, whose
+    unwinding through torch's ``noexcept`` destructors aborts the process ("terminate called
+    without an active exception"). Registered when shardwrap is imported, so it runs after the
+    exit handlers registered later. Collectives still in flight (never waited for) are not
+    covered: a worker blocked on a peer looks asleep. [design/notes/failure-modes.md, "An abort
+    at exit"]"""
     states = gloo_worker_states()
     if states is None:  # no /proc: a short pause covers a worker that is about to finish
         if dist.is_available() and dist.is_initialized():
@@ -618,7 +622,8 @@ def let_gloo_workers_finish(limit_s: float = 2.0) -> None:
     quiet = 0
     while quiet < 3 and time.monotonic() < deadline:
         time.sleep(0.002)  # the GIL is free: a worker waiting for it takes it now
-        quiet = 0 if "R" in (gloo_worker_states() or []) else quiet + 1
+        busy = any(state in "RD" for state in gloo_worker_states() or [])  # running, or in the kernel
+        quiet = 0 if busy else quiet + 1
 
 
 atexit.register(let_gloo_workers_finish)

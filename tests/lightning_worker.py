@@ -233,7 +233,7 @@ if __name__ == "__main__":
         for scenario in sys.argv[3:]:
             run(out_dir, n, scenario)
     finally:
-        # Lightning leaves its process group up. (A process aborting at exit, "terminate called
-        # without an active exception", is a different matter: design/notes/failure-modes.md.)
+        # Lightning leaves its process group up; take down its threads and connections, as the
+        # README asks of a script (an abort at exit is another matter: design/notes/failure-modes.md)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

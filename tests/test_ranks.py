@@ -784,4 +784,3 @@ def test_writes_between_forwards_and_backwards_are_refused_exactly_where_plain_p
     if not refused:
         for name, value in expected["full"].items():
             assert_close_params(results[0]["full"][name], value, "sgd", 2, name)
-

@@ -289,7 +289,8 @@ def save_checkpoint_with(
     wait_for_saves()
     state: dict[str, Any] = {"model": _first_ranks_buffers(model, model.state_dict())}
     if optimizer is not None:
-        state["optim"] = model.sharded_optim_state_dict(optimizer)
+        # no template for a fresh optimizer: its checkpoint holds no state, and loads as a fresh one
+        state["optim"] = state_dict.sharded_optim_state_dict(model, optimizer, template=False)
     extras = dict(extra_files)
     if blocking:
         _save(path, state, extras, model, model.world_group)

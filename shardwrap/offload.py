@@ -106,7 +106,11 @@ class OffloadStore:
         self._unit_maps: dict[int, list[mmap.mmap]] = {}  # unit index -> its files' mappings
         self._shard_maps: dict[int, mmap.mmap] = {}  # unit index -> its master shard's mapping
         self._files: dict[int, tuple[int, mmap.mmap]] = {}  # data_ptr of a file-backed storage -> (its unit's index, its mapping)
-        self.arenas: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, state number) -> flat state
+        # (optimizer number, unit index, state number) -> flat state: each optimizer has files of its own
+        self.arenas: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._optimizers: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+        self._arena_files: dict[tuple[int, int, int], str] = {}
+        self._next_owner = 0
         if self.kind == "disk":
             DISK_STORES.add(self)
             self.directory = os.path.join(str(offload.path), f"shardwrap-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}")
@@ -136,6 +140,42 @@ class OffloadStore:
         out = torch.frombuffer(mapped, dtype=dtype, count=numel)
         self._files[out.untyped_storage().data_ptr()] = (unit, mapped)
         return out
+
+    def state_arena(self, optimizer: object, unit: int, number: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """The flat ``number``-th state of unit number ``unit`` for ``optimizer``, and whether it
+        was just made (zeros). Each optimizer gets files of its own, removed when it goes: two
+        optimizers over the same parameters (one per task over a shared backbone, or the next
+        phase's optimizer while the last one lives) never share a state."""
+        owner = self._optimizers.get(optimizer)
+        if owner is None:
+            owner = self._optimizers[optimizer] = self._next_owner
+            self._next_owner += 1
+            weakref.finalize(optimizer, _drop_optimizer_files, weakref.ref(self), owner)
+        key = (owner, unit, number)
+        arena = self.arenas.get(key)
+        if arena is not None:
+            return arena, False
+        name = f"unit{unit}-opt{owner}-state{number}"
+        arena = self.arenas[key] = self.tensor(name, numel, dtype, unit)
+        self._arena_files[key] = name
+        return arena, True
+
+    def drop_optimizer(self, owner: int) -> None:
+        """Forget optimizer number ``owner``'s state files and remove them; their pages go once the
+        last tensor over them does."""
+        for key in [k for k in self.arenas if k[0] == owner]:
+            arena = self.arenas.pop(key)
+            name = self._arena_files.pop(key)
+            file = self._files.pop(arena.untyped_storage().data_ptr(), None)
+            if file is not None:
+                unit, mapped = file
+                self._maps = [m for m in self._maps if m is not mapped]
+                self._unit_maps[unit] = [m for m in self._unit_maps.get(unit, []) if m is not mapped]
+            if self.directory is not None:
+                try:
+                    os.unlink(os.path.join(self.directory, f"{name}.bin"))
+                except OSError:
+                    pass  # the directory went first (the model was deleted)
 
     def populate_for_write(self, local: torch.Tensor) -> None:
         """Map every page of ``local`` (a plain tensor, a contiguous view of one of this store's
@@ -299,6 +339,12 @@ class UnitPager(TorchDispatchMode):
         super().__exit__(*exc)
 
 
+def _drop_optimizer_files(store: "weakref.ref[OffloadStore]", owner: int) -> None:
+    live = store()
+    if live is not None:
+        live.drop_optimizer(owner)
+
+
 class StateOnDisk(TorchDispatchMode):
     """During an optimizer step that creates state: ``zeros_like(p)`` / ``empty_like(p)`` of an
     offloaded parameter ``p`` (how Adam, AdamW, Adagrad... create theirs) returns zeros in the
@@ -315,5 +361,8 @@ class StateOnDisk(TorchDispatchMode):
             if dtype is None or dtype == args[0].dtype:
                 placed = self._place(args[0])
                 if placed is not None:
+                    if func is torch.ops.aten.zeros_like.default:
+                        # a file this optimizer used before its state was cleared: zeros, as asked
+                        (placed.to_local() if isinstance(placed, DTensor) else placed).zero_()
                     return placed
         return func(*args, **kwargs)

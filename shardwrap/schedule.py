@@ -263,7 +263,9 @@ class CollectiveSchedule:
             kept = f", then accumulated under no_sync: {kept}" if kept else ""
             raise self.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on which units this backward reduces: "
-                f"their forwards ran different units (this rank's, in reduce order: {order}{kept}; {differ} ran others). "
+                f"their forwards ran different units, or ran a unit under torch.no_grad() on some ranks only "
+                f"(give each unit the same grad mode on every rank) (this rank's, in reduce order: {order}{kept}; "
+                f"{differ} ran others). "
                 f"{OUT_OF_STEP_HINT}"
             )
 

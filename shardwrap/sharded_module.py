@@ -711,7 +711,7 @@ def _offload_pre_step(optimizer: torch.optim.Optimizer) -> bool:
             unit, i = where
             number = counts.get(id(p), 0)
             counts[id(p)] = number + 1
-            return unit.state_view(i, number, p.dtype)
+            return unit.state_view(optimizer, i, number, p.dtype)
 
         modes.append(StateOnDisk(place))
     for mode in modes:
@@ -741,7 +741,7 @@ def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tenso
             value = state[key]
             if unit.store.holds(value):
                 continue
-            placed = unit.state_view(i, number, value.dtype)
+            placed = unit.state_view(optimizer, i, number, value.dtype)
             with torch.no_grad():
                 placed.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
             state[key] = placed

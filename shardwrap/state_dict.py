@@ -519,19 +519,22 @@ def full_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd:
     return problems + _state_shape_problems(inside, shape, lambda i: f"{i} ('{fqn[i]}')")
 
 
-def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optimizer, *, template: bool = True) -> dict[str, Any]:
     """``{"state": {fqn: {key: DTensor(Shard(0)) | value}}, "param_groups": [... "params": [fqns]]}``.
 
-    A fresh optimizer has no state yet; its state is created first (a zero-learning-rate step on
-    zero gradients, as ``torch.distributed.checkpoint.state_dict.get_state_dict`` does), so the
-    result is a complete template for ``torch.distributed.checkpoint.load``, never an empty one."""
-    init_optim_state(opt)
-    osd = opt.state_dict()
+    A fresh optimizer has no state yet. With ``template`` its state is created for the dict
+    (``fresh_optim_state``: the values its first step starts from), so the result is a complete
+    template for ``torch.distributed.checkpoint.load``, never an empty one; the optimizer itself
+    stays fresh, so taking the dict changes nothing in the run. Without ``template`` (what
+    ``save_checkpoint`` writes) a fresh optimizer's dict has no state, and loading it gives a fresh
+    optimizer, whatever its kind."""
     params = _opt_params(opt)
     fqns = []
     for p in params:
         handle, i = _slot_of(model, p)
         fqns.append(handle.layout.slots[i].fqn)
+    fresh = template and not opt.state
+    osd = fresh_optim_state(opt) if fresh else opt.state_dict()
     state = {fqns[idx]: dict(entry) for idx, entry in osd["state"].items()}  # DTensor states, as the optimizer keeps them
     groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
@@ -637,32 +640,103 @@ def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optim
     opt.load_state_dict(sharded_optim_load(model, opt, osd))
 
 
-def init_optim_state(opt: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state without changing any parameter: one step with zero gradients
-    and a zero learning rate (a template for ``torch.distributed.checkpoint.load``), then the step
-    counters back to 0, so the state is the fresh one: zero moments at step 0, and the next real
-    step is the first, as in a run that never saved (design/notes/state-dicts.md)."""
-    if opt.state:
-        return
-    saved, zeroed = [], []
+class _StateMade(Exception):
+    """Raised by a probe's ``_init_group`` once it has made the state, before the step's update."""
+
+
+def fresh_optim_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state dict of ``opt`` (which has no state yet) with every parameter's state as its
+    first step would start from, while ``opt`` itself keeps no state and every gradient it had.
+
+    One step at learning rate 0 on zero gradients (the real ones set aside) makes every entry
+    the step would make; then the step counters go back to 0 and, for torch's optimizers, each
+    value that the optimizer sets when it creates a parameter's state (NAdam's ``mu_product``,
+    Rprop's ``step_size``, ASGD's ``eta`` and ``mu``) is reset to the value it is created with,
+    read from a one-element copy whose ``_init_group`` stops the step before its update. An
+    entry the first step makes only in its update (SGD's ``momentum_buffer``) keeps the value
+    the zero-gradient step left: zero, which SGD's first step matches while ``dampening`` is 0
+    (design/notes/state-dicts.md)."""
+    saved_lr, saved_grads = [], {}
     for group in opt.param_groups:
-        saved.append(group["lr"])
+        saved_lr.append(group["lr"])
         group["lr"] = 0.0
         for p in group["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad:
+                saved_grads[p] = p.grad
                 p.grad = torch.zeros_like(p)
-                zeroed.append(p)
-    opt.step()
-    for group, lr in zip(opt.param_groups, saved):
-        group["lr"] = lr
-    for entry in opt.state.values():
-        step = entry.get("step")
-        if torch.is_tensor(step):
-            step.zero_()
-        elif step is not None:
-            entry["step"] = 0
-    for p in zeroed:  # gradients the caller had stay
-        p.grad = None
+    try:
+        opt.step()
+    finally:
+        for group, lr in zip(opt.param_groups, saved_lr):
+            group["lr"] = lr
+        for p, grad in saved_grads.items():
+            p.grad = grad
+    try:
+        for g, group in enumerate(opt.param_groups):
+            made = _made_with_state(opt, g)
+            for p in group["params"]:
+                entry = opt.state.get(p)
+                if entry is not None:
+                    _reset_to_made(entry, made)
+        return opt.state_dict()
+    finally:
+        opt.state.clear()  # the optimizer stays fresh; the dict holds the tensors
+
+
+def _reset_to_made(entry: dict[str, Any], made: Mapping[str, Any] | None) -> None:
+    """``entry`` back to what its optimizer creates: the counters at 0, and each value ``made``
+    (one element's state as created, or None where unknown) names filled with it."""
+    for key, value in entry.items():
+        start = (made or {}).get(key)
+        if isinstance(start, torch.Tensor) and start.numel() == 1 and isinstance(value, torch.Tensor):
+            value.fill_(start.reshape(()).item())
+        elif start is not None and not isinstance(start, torch.Tensor):
+            entry[key] = start
+        elif key == "step":
+            if torch.is_tensor(value):
+                value.zero_()
+            else:
+                entry[key] = 0
+
+
+def _made_with_state(opt: torch.optim.Optimizer, g: int) -> dict[str, Any] | None:
+    """The state one of torch's optimizers creates for an element of param group ``g`` before its
+    first update (``_init_group`` run on a one-element copy, which then stops the step; torch's
+    global step hooks held back, ``opt`` not touched), or None for another optimizer or one
+    whose copy cannot run. Every torch optimizer creates each entry with one value throughout."""
+    if not type(opt).__module__.startswith("torch.optim") or not hasattr(type(opt), "_init_group"):
+        return None
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks: tuple[Any, ...] = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    held = [dict(h) for h in hooks]
+    try:
+        for h in hooks:
+            h.clear()
+        dummy = torch.zeros(1, requires_grad=True)
+        try:
+            probe = type(opt)([dummy], **opt.defaults)
+        except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
+            probe = type(opt)([dummy])  # type: ignore[call-arg]
+        probe.param_groups[0].update({k: v for k, v in opt.param_groups[g].items() if k != "params"})
+        dummy.grad = torch.zeros_like(dummy)
+        init_group = probe._init_group  # type: ignore[attr-defined]
+
+        def stop_after(*args: Any, **kwargs: Any) -> Any:
+            init_group(*args, **kwargs)
+            raise _StateMade
+
+        probe._init_group = stop_after  # type: ignore[attr-defined]
+        try:
+            probe.step()
+        except _StateMade:
+            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in probe.state[dummy].items()}
+        return None  # a step that never made state in _init_group
+    except Exception:  # options this copy cannot run with (a closure, capturable)
+        return None
+    finally:
+        for h, kept in zip(hooks, held):
+            h.update(kept)
 
 
 def check_full(model: "ShardedModule", opt: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> list[str]:

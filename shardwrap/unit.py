@@ -263,9 +263,35 @@ def _deepcopy_dtensor_at_any_offset(deepcopy_: Callable[..., Any]) -> Callable[.
     return deepcopy
 
 
+def _stage_dtensor_at_any_offset(offload_tensor: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.distributed.checkpoint.async_save`` of such a DTensor: the stager that copies a
+    state dict to the host before the background write (``StateDictStager._offload_tensor``)
+    makes the same ``data_ptr() == 0`` test and copied the wrapper's absent storage ("Attempted to
+    call copy_() on an invalid python storage"). For exactly that case this stages the local
+    tensor (through the stager, so the views of one flat shard share one staged copy) and wraps
+    it in a DTensor of the same spec, as staging an offset-0 DTensor gives."""
+
+    def offload(self: Any, x: torch.Tensor, memo: dict[int, Any], non_blocking: bool = False) -> Any:
+        if type(x) is not DTensor or x.storage_offset() == 0:
+            return offload_tensor(self, x, memo, non_blocking=non_blocking)
+        local = self.deepcopy_with_tensor_offload(x._local_tensor, memo, non_blocking=non_blocking)
+        staged = DTensor(local, x._spec, requires_grad=False)  # type: ignore[call-arg]
+        memo[id(x)] = staged
+        return staged
+
+    offload.__wrapped__ = offload_tensor  # type: ignore[attr-defined]
+    return offload
+
+
 if not hasattr(DTensor._reduce_ex_internal, "__wrapped__"):  # once, also if this module is reloaded
     DTensor._reduce_ex_internal = _reduce_dtensor_at_any_offset(DTensor._reduce_ex_internal)  # type: ignore[method-assign]
     DTensor.__deepcopy__ = _deepcopy_dtensor_at_any_offset(DTensor.__deepcopy__)  # type: ignore[method-assign]
+try:  # where async saves are staged on torch 2.13; a torch without this stager is left alone
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager as _Stager
+except ImportError:  # pragma: no cover
+    _Stager = None  # type: ignore[assignment,misc]
+if _Stager is not None and hasattr(_Stager, "_offload_tensor") and not hasattr(_Stager._offload_tensor, "__wrapped__"):
+    _Stager._offload_tensor = _stage_dtensor_at_any_offset(_Stager._offload_tensor)  # type: ignore[method-assign]
 
 
 def _split_divisor(divisor: float, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -757,16 +783,12 @@ class Unit:
 
     # ---- offloaded optimizer state (design/notes/offload.md) -------------------------------------
 
-    def state_view(self, i: int, number: int, dtype: torch.dtype) -> DTensor:
-        """Parameter ``i``'s part of the unit's ``number``-th optimizer-state file (one file per
-        state a parameter has: Adam's ``exp_avg`` is number 0 for every parameter), a DTensor laid
-        out like the parameter. The file is made on first use."""
+    def state_view(self, optimizer: object, i: int, number: int, dtype: torch.dtype) -> DTensor:
+        """Parameter ``i``'s part of the unit's ``number``-th optimizer-state file of ``optimizer``
+        (one file per state a parameter has: Adam's ``exp_avg`` is number 0 for every parameter),
+        a DTensor laid out like the parameter. The file is made on first use."""
         assert self.store is not None
-        key = (self.index, number)
-        arena = self.store.arenas.get(key)
-        if arena is None:
-            arena = self.store.tensor(f"unit{self.index}-state{number}", self.layout.shard_numel, dtype, self.index)
-            self.store.arenas[key] = arena
+        arena, _ = self.store.state_arena(optimizer, self.index, number, self.layout.shard_numel, dtype)
         view = self.layout.sharded_views(arena, self.rank)[i]
         return self.as_dtensor(view, self.layout.slots[i])
 

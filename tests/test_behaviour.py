@@ -297,6 +297,47 @@ def test_unit_unused_on_some_ranks_or_all_neither_hangs_nor_desyncs():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
+class AuxUnderNoGrad(AuxNet):
+    """AuxNet whose aux unit runs under torch.no_grad() where ``aux_grad`` is False."""
+
+    aux_grad = True
+
+    def forward(self, x):
+        h = self.trunk(self.stem(x))
+        with torch.set_grad_enabled(self.aux_grad):
+            aux = self.aux(h)
+        return self.head(h), aux
+
+
+def on_ranks_aux_grad_mode_differs() -> dict:
+    """Rank 1 runs the aux unit under no_grad: refused on every rank, naming the grad mode; the
+    ranks are out of step from then on, and the next forward says so (no hang)."""
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(AuxUnderNoGrad(), auto_wrap_policy={models.Block})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.module.aux_grad = rank == 0
+    batch = global_batch(Case("mlp"), 0)
+    errors = []
+    for _ in range(2):
+        try:
+            main, _ = model(batch["x"].chunk(world)[rank])
+            ((main - batch["y"].chunk(world)[rank]) ** 2).mean().backward()
+            errors.append("no error")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return {"errors": errors}
+
+
+def test_a_unit_under_no_grad_on_one_rank_only_is_named_on_every_rank():
+    for r in run_on_ranks(2, on_ranks_aux_grad_mode_differs, timeout=60):
+        first, then = r["errors"]
+        assert "ranks disagree on which units this backward reduces" in first, first
+        assert "torch.no_grad() on some ranks only" in first, first
+        assert "refused: the ranks fell out of step earlier" in then, then
+
+
 # ---- buffers and rank 0's values ---------------------------------------------------------------
 
 

@@ -506,6 +506,105 @@ def test_step_0_checkpoint_loads_at_the_same_and_another_world_size(tmp_path, op
     assert_states(other, run_on_ranks(3, on_ranks_uninterrupted, case, 4)[0], 0, f"{door} step 0, W=2 -> W=3")
 
 
+# ---- the state of an optimizer that has not stepped yet -------------------------------------------
+
+# Optimizers whose first step sets state the zero-gradient template step would leave otherwise
+# (NAdam's mu_product, Rprop's step_size, ASGD's eta), beside SGD with momentum and AdamW.
+FIRST_STEP_KINDS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.05),
+}
+
+
+def on_ranks_state_before_the_first_step(case: Case, kind: str, door: str, path: str, steps: int) -> dict:
+    """Four runs of ``steps`` steps: straight; one that takes the optimizer's state through
+    ``door`` before training; one that takes it between the first backward and the first step;
+    and one that loads the state taken before training into a fresh model and optimizer first."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardwrap import load_checkpoint, save_checkpoint
+
+    def fresh(seed: int):
+        model = wrap(Case(**{**case.__dict__, "seed": seed}))
+        return model, FIRST_STEP_KINDS[kind](model.parameters())
+
+    def take(model, opt, where: str) -> None:
+        if door == "checkpoint":
+            save_checkpoint(f"{path}/{where}", model, opt)
+        else:  # the dict DCP saves, as a user's own save would
+            dcp.save({"model": model.state_dict(), "optim": model.sharded_optim_state_dict(opt)}, checkpoint_id=f"{path}/{where}")
+
+    def run(model, opt, *, mid: bool) -> dict:
+        chunks, mine = data_place(case)
+        for step in range(steps):
+            batch = {k: v.chunk(chunks)[mine] for k, v in global_batch(case, step).items()}
+            loss_fn(case, model, batch).backward()
+            if mid and step == 0:
+                take(model, opt, "mid")
+            opt.step()
+            opt.zero_grad()
+        return {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+
+    straight = run(*fresh(case.seed), mid=False)
+    model, opt = fresh(case.seed)
+    take(model, opt, "start")
+    at_start = run(model, opt, mid=False)
+    in_step = run(*fresh(case.seed), mid=True)
+    model, opt = fresh(case.seed + 7)  # other weights, which the load replaces
+    if door == "checkpoint":
+        load_checkpoint(f"{path}/start", model, opt)
+    else:
+        state = {"model": model.state_dict(), "optim": model.sharded_optim_state_dict(opt)}  # the template
+        dcp.load(state, checkpoint_id=f"{path}/start")
+        model.load_state_dict(state["model"])
+        model.load_sharded_optim_state_dict(opt, state["optim"])
+    resumed = run(model, opt, mid=False)
+    return {"straight": straight, "at_start": at_start, "in_step": in_step, "resumed": resumed}
+
+
+@pytest.mark.parametrize("kind", sorted(FIRST_STEP_KINDS))
+@pytest.mark.parametrize("door", ["checkpoint", "sharded_dict"])
+def test_the_state_of_an_optimizer_that_has_not_stepped_changes_nothing_and_resumes_exactly(tmp_path, door, kind):
+    """Taking it (torchtitan saves at step 0; a save may also fall between a backward and the
+    first step) leaves the run as it was, and loading it gives a fresh optimizer's first step."""
+    case = Case(**{**MLP.__dict__, "stage": 1 if kind == "sgd" else 3})
+    got = run_on_ranks(2, on_ranks_state_before_the_first_step, case, kind, door, str(tmp_path), 3)[0]
+    assert_states(got["at_start"], got["straight"], 0, f"{kind} {door}: taken at step 0")
+    assert_states(got["in_step"], got["straight"], 0, f"{kind} {door}: taken between the first backward and step")
+    assert_states(got["resumed"], got["straight"], 0, f"{kind} {door}: loaded from step 0")
+
+
+def on_ranks_async_save_and_resume(case: Case, path: str) -> dict:
+    """torch's own async save of ``get_state_dict`` (parameters that are views at an offset into
+    their unit's shard), loaded with ``set_state_dict`` into a fresh model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = make(case)
+    train(case, model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path).result()
+    train(case, model, opt, range(2, 3))
+    straight = {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+    model, opt = make(Case(**{**case.__dict__, "seed": 4}))
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(case, model, opt, range(2, 3))
+    return {"straight": straight, "resumed": {"full": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torchs_async_save_of_get_state_dict_resumes_on_the_same_trajectory(tmp_path, stage):
+    case = Case(**{**MLP.__dict__, "stage": stage, "optim": "adamw"})
+    got = run_on_ranks(2, on_ranks_async_save_and_resume, case, str(tmp_path / "ckpt"))[0]
+    assert_states(got["resumed"], got["straight"], 0, f"async_save at stage {stage}")
+
+
 # ---- a save killed at any point leaves a loadable checkpoint ---------------------------------------
 
 

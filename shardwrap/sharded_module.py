@@ -102,6 +102,19 @@ def _lowest_common_ancestor(units: list[_UnitPlan]) -> _UnitPlan:
     return lca
 
 
+def _refuse_sparse_gradients(root: nn.Module) -> None:
+    """An embedding built with ``sparse=True`` makes sparse gradients, which no reduce-scatter
+    into a flat shard takes (torch failed deep inside backward, "reshape is not implemented for
+    sparse tensors"; ``fully_shard`` fails there too)."""
+    for name, sub in root.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"ShardedModule: submodule '{name}' ({type(sub).__name__}) was built with sparse=True, so its "
+                f"gradient is a sparse tensor, which cannot be reduce-scattered into the shards. Build it with "
+                f"sparse=False (and a dense optimizer such as Adam in place of SparseAdam)"
+            )
+
+
 def _refuse_uncalled_units(root: nn.Module, unit_modules: list[nn.Module]) -> None:
     """A unit's hooks run around its ``forward``: a container without one (``nn.ModuleList``,
     ``nn.ModuleDict``) is never called, so its parameters would never be gathered, and the first
@@ -899,6 +912,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
             agreement.check_same_model(described, collectives.default_group())
         _refuse_uncalled_units(module, unit_modules)  # after the agreement: the same verdict on every rank
+        _refuse_sparse_gradients(module)
         tensor_parallel = _tensor_parallel_meshes(plans, mesh, offload)
         if offload is not None and offload.optimizer == "disk":  # every rank learns every rank's problem
             elements = sum(FlatLayout(p.fqns, p.params, collectives.world_size()).shard_numel + 1 for p in plans)

@@ -76,6 +76,7 @@ def on_ranks_bad_arguments() -> dict:
         "device": attempt(MixedDevice, auto_wrap_policy={models.Block}),
         "mesh_2d": attempt(mlp, mesh=init_device_mesh("cpu", (dist.get_world_size(), 1))),
         "mesh_not_a_mesh": attempt(mlp, mesh=dist.group.WORLD),
+        "sparse_embedding": attempt(lambda: nn.Sequential(nn.Embedding(10, 4, sparse=True), models.Block(4)), auto_wrap_policy={models.Block}),
     }
     try:
         SizePolicy(0)
@@ -101,6 +102,7 @@ EXPECTED = {
     "device": ("ValueError", ["'block.down.weight'", "meta", "one device"]),
     "mesh_2d": ("ValueError", ["2-D mesh for hybrid sharding", "mesh_dim_names"]),
     "mesh_not_a_mesh": ("TypeError", ["DeviceMesh"]),
+    "sparse_embedding": ("ValueError", ["'0' (Embedding)", "sparse=True", "sparse=False"]),
     "size_policy": ("ValueError", ["min_num_params=0"]),
     "wrap_twice": ("ValueError", ["already wrapped", "auto_wrap_policy"]),
     "wrap_wrapper": ("ValueError", ["already wrapped"]),

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from shardwrap import collectives
 from shardwrap.unit import dtensor_over
@@ -75,7 +76,7 @@ def enter(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], A
             if owner[id(p)] is None:
                 swapped.append(p)
                 continue
-            local = p._local_tensor.detach()  # a new leaf over the same storage: the update lands in the shard
+            local = _local_leaf(p)
             local.grad = _local_grad(p)
             before = state.pop(p, None) or {}
             if before:
@@ -109,6 +110,30 @@ def enter(optimizer: torch.optim.Optimizer, owner_of: Callable[[torch.Tensor], A
 
     rest = {k: v for k, v in kwargs.items() if k != "closure"}
     return (args[0],), {**rest, "closure": local_closure}
+
+
+# Each parameter's stand-in, kept from step to step: a compiled step (``torch.compile(opt.step)``)
+# guards on the identity of the tensors in the param groups, and a new stand-in at every step
+# made it compile again at every step, until dynamo's recompile limit left it uncompiled.
+_LEAVES = WeakTensorKeyDictionary()  # tensors as weak keys (weakref's own compares them with ==)
+
+
+@torch._dynamo.disable(recursive=True, reason="shardwrap's step hooks run eagerly")
+def _local_leaf(p: DTensor) -> torch.Tensor:
+    """A leaf over ``p``'s local tensor (the same storage, offset, shape and stride: the update
+    lands in the shard); the one of the last step while that still holds."""
+    local = p._local_tensor
+    leaf = _LEAVES.get(p)
+    if (
+        leaf is None
+        or leaf.untyped_storage()._cdata != local.untyped_storage()._cdata
+        or leaf.storage_offset() != local.storage_offset()
+        or leaf.shape != local.shape
+        or leaf.stride() != local.stride()
+        or leaf.dtype != local.dtype
+    ):
+        leaf = _LEAVES[p] = local.detach()
+    return leaf
 
 
 def leave(optimizer: torch.optim.Optimizer) -> bool:

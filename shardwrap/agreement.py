@@ -13,7 +13,7 @@ themselves (one more collective) to name the first differing parameter on every 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -23,12 +23,24 @@ from shardwrap import collectives
 Entry = tuple[str, str, tuple[int, ...], str, bool]
 
 
-def describe(units: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]]) -> list[Entry]:
-    """One entry per parameter, from ``[(unit name, [(fqn, parameter), ...]), ...]``."""
+SETTING, BUFFER = "<setting>", "<buffer>"  # the unit field of the entries that are no parameter
+
+
+def describe(
+    units: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]],
+    settings: Mapping[str, object] = {},
+    buffers: Sequence[tuple[str, torch.Tensor]] = (),
+) -> list[Entry]:
+    """One entry per parameter, from ``[(unit name, [(fqn, parameter), ...]), ...]``; then one per
+    wrapping argument in ``settings`` (name -> value, compared by ``repr``: ranks that shard with
+    another stage or cast to another dtype issue collectives of other sizes, and gloo aborts the
+    process on the first) and one per buffer (broadcast from the first rank at construction)."""
     out: list[Entry] = []
     for unit_name, params in units:
         for fqn, p in params:
             out.append((unit_name, fqn, tuple(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)))
+    out += [(SETTING, name, (), repr(value), False) for name, value in settings.items()]
+    out += [(BUFFER, fqn, tuple(b.shape), str(b.dtype).removeprefix("torch."), False) for fqn, b in buffers]
     return out
 
 
@@ -38,23 +50,31 @@ def digest(entries: Sequence[Entry]) -> list[int]:
     return [int.from_bytes(h[i : i + 8], "little", signed=True) for i in (0, 8)]
 
 
-def _show(entry: Entry | None, fqn: str) -> str:
+_KIND = {SETTING: "argument", BUFFER: "buffer"}
+
+
+def _show(entry: Entry | None, kind: str, fqn: str) -> str:
     if entry is None:
-        return f"no parameter '{fqn}'"
+        return f"no {kind} '{fqn}'"
     unit, _, shape, dtype, requires_grad = entry
+    if unit == SETTING:
+        return dtype  # the value's repr
+    if unit == BUFFER:
+        return f"shape {tuple(shape)}, {dtype}"
     return f"unit '{unit}', shape {tuple(shape)}, {dtype}, requires_grad={requires_grad}"
 
 
 def first_difference(by_rank: Sequence[Sequence[Entry]]) -> str:
-    """Name the first parameter (by name, in the first rank's order, then any extra ones) whose
-    entry differs between ranks, with what every rank has."""
-    by_name = [{e[1]: e for e in d} for d in by_rank]
-    names = list(dict.fromkeys(e[1] for d in by_rank for e in d))
-    for fqn in names:
-        here = [m.get(fqn) for m in by_name]
+    """Name the first parameter, wrapping argument or buffer (by name, in the first rank's order,
+    then any extra ones) whose entry differs between ranks, with what every rank has."""
+    key = lambda e: (_KIND.get(e[0], "parameter"), e[1])  # noqa: E731
+    by_name = [{key(e): e for e in d} for d in by_rank]
+    names = list(dict.fromkeys(key(e) for d in by_rank for e in d))
+    for kind, fqn in names:
+        here = [m.get((kind, fqn)) for m in by_name]
         if any(e != here[0] for e in here):
-            lines = "; ".join(f"rank {r}: {_show(e, fqn)}" for r, e in enumerate(here))
-            return f"parameter '{fqn}' differs ({lines})"
+            lines = "; ".join(f"rank {r}: {_show(e, kind, fqn)}" for r, e in enumerate(here))
+            return f"{kind} '{fqn}' differs ({lines})"
     return "the same parameters are in another order (the units or the module tree differ)"
 
 
@@ -68,8 +88,8 @@ def check_same_model(entries: Sequence[Entry], group: collectives.Group) -> None
         return
     by_rank = collectives.all_gather_object(list(entries), group)
     raise ValueError(
-        f"ShardedModule: ranks built different models, so they cannot shard it together: "
-        f"{first_difference(by_rank)}. Every rank must build the same model (same code, config, "
-        f"dtype and frozen parameters) before wrapping; load rank-specific weights after wrapping "
-        f"with load_state_dict"
+        f"ShardedModule: ranks built different models or wrap them differently, so they cannot shard "
+        f"it together: {first_difference(by_rank)}. Every rank must build the same model (same code, "
+        f"config, dtype, buffers and frozen parameters) and wrap it with the same arguments; load "
+        f"rank-specific weights after wrapping with load_state_dict"
     )

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
@@ -885,6 +886,13 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                     f"outermost model once and choose inner units with auto_wrap_policy (two models "
                     f"that share a module: wrap one parent module that holds both)"
                 )
+            if isinstance(sub, (FSDPModule, FullyShardedDataParallel)):  # torch's, not ours (those are above)
+                where = f"submodule '{name}'" if name else "the module"
+                raise ValueError(
+                    f"ShardedModule: {where} ({type(sub).__name__}) is already sharded by torch's "
+                    f"{'fully_shard' if isinstance(sub, FSDPModule) else 'FullyShardedDataParallel'}. Wrap the "
+                    f"plain model instead (choose units with auto_wrap_policy, where fully_shard was applied)"
+                )
         for name, param in module.named_parameters():
             if param in _TAKEN_PARAMS:
                 # sharded again here, it would train as a second, separate weight: the tie lost, silently
@@ -909,7 +917,16 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         unit_modules = policy.select(module) if policy is not None else []
         plans = _plan_units(module, unit_modules)
         if collectives.world_size() > 1:  # first, so every rank meets it: design/notes/rank-agreement.md
-            described = agreement.describe([(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans])
+            settings = {
+                "stage": stage,
+                "mixed_precision": mixed_precision,
+                "max_unsharded": max_unsharded,
+                "offload": offload.optimizer if offload is not None else None,
+                "mesh": (tuple(mesh.shape), mesh.mesh_dim_names) if isinstance(mesh, DeviceMesh) else type(mesh).__name__,
+            }
+            described = agreement.describe(
+                [(p.name or "<root>", list(zip(p.fqns, p.params))) for p in plans], settings, list(module.named_buffers())
+            )
             agreement.check_same_model(described, collectives.default_group())
         _refuse_uncalled_units(module, unit_modules)  # after the agreement: the same verdict on every rank
         _refuse_sparse_gradients(module)

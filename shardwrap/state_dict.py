@@ -97,7 +97,16 @@ def key_problems(
 
 
 def _problems(sd: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], strict: bool) -> list[str]:
-    return key_problems(shapes_of(sd), expected, strict) + foreign_shard_problems(sd)
+    return key_problems(shapes_of(sd), expected, strict) + foreign_shard_problems(sd) + meta_problems(sd, expected)
+
+
+def meta_problems(sd: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
+    """Values on the meta device, which hold no data to load (torch's copy failed with "Cannot copy
+    out of meta tensor; no data!", naming no key)."""
+    meta = [k for k, v in sd.items() if k in expected and isinstance(v, torch.Tensor) and v.is_meta]
+    if not meta:
+        return []
+    return [f"values {listed(meta)} are on the meta device and hold no data (materialize them first, e.g. load the checkpoint they came from)"]
 
 
 def saved_on_another_rank(value: DTensor) -> int | None:

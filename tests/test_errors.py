@@ -84,6 +84,16 @@ def on_ranks_bad_arguments() -> dict:
     except ValueError as exc:
         results["size_policy"] = ("ValueError", str(exc), True)
 
+    def fully_sharded(inner_only: bool):
+        from torch.distributed.fsdp import fully_shard
+
+        model = mlp()
+        for block in model.blocks:
+            fully_shard(block)
+        return model if inner_only else fully_shard(model)
+
+    results["wrap_fully_shard"] = attempt(lambda: fully_sharded(False), auto_wrap_policy={models.Block})
+    results["wrap_fully_shard_inner"] = attempt(lambda: fully_sharded(True), auto_wrap_policy={models.Block})
     wrapped = ShardedModule(mlp(), auto_wrap_policy={models.Block})
     results["wrap_twice"] = attempt(lambda: wrapped.module)
     results["wrap_wrapper"] = attempt(lambda: wrapped)
@@ -105,6 +115,8 @@ EXPECTED = {
     "sparse_embedding": ("ValueError", ["'0' (Embedding)", "sparse=True", "sparse=False"]),
     "size_policy": ("ValueError", ["min_num_params=0"]),
     "wrap_twice": ("ValueError", ["already wrapped", "auto_wrap_policy"]),
+    "wrap_fully_shard": ("ValueError", ["the module (FSDPMLP)", "already sharded by torch's fully_shard", "Wrap the plain model"]),
+    "wrap_fully_shard_inner": ("ValueError", ["submodule 'blocks.0' (FSDPBlock)", "already sharded by torch's fully_shard"]),
     "wrap_wrapper": ("ValueError", ["already wrapped"]),
     "wrap_inner": ("ValueError", ["already wrapped"]),
 }
@@ -275,3 +287,67 @@ def test_a_weight_shared_between_two_wrapped_models_is_refused():
         for key in ("tied", "sharded"):
             assert "parameter 'inp.weight'" in r[key] and "another ShardedModule" in r[key] and "parent module" in r[key], r[key]
         assert r["unchanged"], r
+
+
+def on_ranks_wrapped_differently(what: str) -> str:
+    """Rank 0 and rank 1 wrap with another argument, or a model with other buffers."""
+    from shardwrap import MixedPrecision, ShardedModule
+
+    rank = dist.get_rank()
+    model = models.mlp(16, 2)
+    kwargs: dict = {"auto_wrap_policy": {models.Block}}
+    if what == "stage":
+        kwargs["stage"] = 1 if rank == 0 else 3
+    elif what == "mixed_precision":
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16) if rank == 0 else None
+    elif what == "max_unsharded":
+        kwargs["max_unsharded"] = 2 + rank
+    elif what == "buffer_shape":
+        model.register_buffer("scale", torch.ones(5 if rank == 0 else 3))
+    elif what == "buffer_on_one_rank" and rank == 0:
+        model.register_buffer("scale", torch.ones(3))
+    try:
+        ShardedModule(model, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what,fragments",
+    [
+        ("stage", ["argument 'stage' differs (rank 0: 1; rank 1: 3)"]),
+        ("mixed_precision", ["argument 'mixed_precision' differs", "param_dtype=torch.bfloat16", "rank 1: None"]),
+        ("max_unsharded", ["argument 'max_unsharded' differs (rank 0: 2; rank 1: 3)"]),
+        ("buffer_shape", ["buffer 'scale' differs (rank 0: shape (5,), float32; rank 1: shape (3,), float32)"]),
+        ("buffer_on_one_rank", ["buffer 'scale' differs (rank 0: shape (3,), float32; rank 1: no buffer 'scale')"]),
+    ],
+)
+def test_ranks_that_wrap_with_other_arguments_or_buffers_are_told_at_construction(what, fragments):
+    """Each made the ranks issue collectives of other sizes (gloo aborted the process with SIGABRT)
+    or wait out the timeout; now every rank raises at construction, naming it."""
+    for message in run_on_ranks(2, on_ranks_wrapped_differently, what, timeout=60):
+        assert "wrap them differently" in message, message
+        for fragment in fragments:
+            assert fragment in message, message
+
+
+def on_ranks_load_a_meta_value() -> tuple[str, bool]:
+    from shardwrap import ShardedModule
+
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block})
+    before = model.full_state_dict(rank0_only=False)
+    try:
+        model.load_state_dict({"blocks.0.up.weight": torch.empty(32, 16, device="meta")}, strict=False)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    after = model.full_state_dict(rank0_only=False)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_meta_value_in_load_state_dict_is_named_and_changes_nothing():
+    """torch's copy failed with "Cannot copy out of meta tensor; no data!", naming no key."""
+    for message, unchanged_ in run_on_ranks(2, on_ranks_load_a_meta_value):
+        assert "'blocks.0.up.weight'" in message and "meta device" in message, message
+        assert unchanged_

@@ -269,6 +269,7 @@ def save_checkpoint(
     training may go on. A later save (or load) waits for it first; ``result()`` raises its error.
     """
     model.check_between_steps("save_checkpoint")
+    model.agree_on_call("save_checkpoint")
     wait_for_saves()  # a second save waits for the first
     body = _encode_extra_state(extra_state, model)
     return save_checkpoint_with(path, model, optimizer, extra_files={} if body is None else {files.EXTRA_STATE: body}, blocking=blocking)
@@ -521,6 +522,7 @@ def _load(
     """The load: ``read_extras(path, records)`` reads what the caller keeps beside the state,
     checked like the rest before anything is written."""
     model.check_between_steps("load_checkpoint")
+    model.agree_on_call("load_checkpoint")
     wait_for_saves()
     rank, world = model.world_rank, model.world_size
     found = _agreed(model, lambda: _published(path) if rank == 0 else None)  # an error on rank 0 reaches every rank
@@ -678,6 +680,7 @@ def load_full_with(
     dict, "optim": optimizer state dict, ...}`` (raising ``KeyError``/``TypeError`` when the file is
     not so laid out). Returns the other keys of that dict, on every rank."""
     model.check_between_steps("load_full")
+    model.agree_on_call("load_full")
     is_src = model.world_rank == 0
     state = _agreed(model, lambda: _read_full(path, model, optimizer, layout) if is_src else {})
     # Checked in full above: the optimizer goes first, since torch's load_state_dict is the one

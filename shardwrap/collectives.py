@@ -262,7 +262,20 @@ def _exchange(
 # The first element of every small exchange on the all-gather group says what it is, so that two
 # ranks whose sequences diverged meet two exchanges of the same size and can name the difference
 # instead of pairing a small exchange with a data all-gather (design/notes/rank-agreement.md).
-HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS, HEADER_END = 1, 2, 3, 4
+HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS, HEADER_END, HEADER_CALL = 1, 2, 3, 4, 5
+
+
+def call_code(what: str) -> int:
+    """The code that stands for the between-steps call ``what`` in a header (HEADER_CALL's
+    value): the same on every rank."""
+    return int.from_bytes(hashlib.blake2b(what.encode(), digest_size=6).digest(), "little")
+
+
+# The calls that start with such a header, by code: a peer names the call in its error
+CALLS = {call_code(name): name for name in (
+    "full_state_dict", "load_full_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
+    "save_checkpoint", "load_checkpoint", "load_full",
+)}
 
 
 def digest48(indices: Sequence[int]) -> int:

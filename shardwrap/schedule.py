@@ -58,6 +58,8 @@ def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> s
         return "a reduce-scatter count exchange in backward"
     if base == collectives.HEADER_END:
         return "the end of a backward"
+    if base == collectives.HEADER_CALL:
+        return f"{collectives.CALLS.get(value, 'a call')}, between steps"
     return f"an unknown exchange ({kind}, {value})"
 
 

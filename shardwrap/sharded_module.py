@@ -1905,6 +1905,31 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             if unit.showing_full:
                 unit.show_sharded_params()
 
+    def agree_on_call(self, what: str) -> None:
+        """Before the collectives of a between-steps call that every rank must make (a full state
+        dict, a checkpoint), one header exchange on the all-gather group, the size of every other
+        header: a peer still training (at a unit's gather, a count exchange) or making another
+        call meets it, and every rank raises, naming both sides, where the call's first data
+        collective would have met the peer's header and gloo aborted the process (SIGABRT). A
+        peer that issues nothing waits for it until the group's timeout (``CollectiveTimeout``).
+        CPU groups only, as the other headers (design/notes/rank-agreement.md)."""
+        group = self.schedule.group
+        if group is None or collectives.group_size(group) == 1:
+            return
+        from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+
+        assert collectives.call_code(what) in collectives.CALLS, what
+        mine = [collectives.HEADER_CALL, collectives.call_code(what)]
+        rows = collectives.all_gather_ints(mine, group, what=f"the start of {what}", kind="headers")
+        if any(row != mine for row in rows):
+            names = list(self._units[0].unit_names) if self._units else None
+            seen = ", ".join(f"rank {r}: {header_text(k, v, names)}" for r, (k, v) in enumerate(rows))
+            raise self.schedule.out_of_step(
+                f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the start of "
+                f"{what} ({seen}). {what} must be called on every rank at the same point, between steps. "
+                f"{OUT_OF_STEP_HINT}"
+            )
+
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """``{original name: DTensor(Shard(0))}`` for parameters, plain tensors for buffers.
 
@@ -1930,6 +1955,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         unwrapped model's ``state_dict()``, tied names and buffers included.
         """
         self.check_between_steps("full_state_dict")
+        self.agree_on_call("full_state_dict")
         return _sd.full_state_dict(self, rank0_only, cpu_offload)
 
     def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> Any:
@@ -1937,6 +1963,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         scattering it unit by unit. Returns ``(missing_keys, unexpected_keys)`` on every rank, as
         ``nn.Module.load_state_dict`` does; keys and shapes are checked before anything is written."""
         self.check_between_steps("load_full_state_dict")
+        self.agree_on_call("load_full_state_dict")
         missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
         return _IncompatibleKeys(missing, unexpected)
 
@@ -1944,11 +1971,13 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:
         full state tensors, indexed like a plain optimizer, param_groups unchanged."""
         self.check_between_steps("full_optim_state_dict")
+        self.agree_on_call("full_optim_state_dict")
         return _sd.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load a full optimizer state dict held by the mesh's first rank, at any world size."""
         self.check_between_steps("load_full_optim_state_dict")
+        self.agree_on_call("load_full_optim_state_dict")
         _sd.load_full_optim_state_dict(self, optimizer, osd)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

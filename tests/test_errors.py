@@ -351,3 +351,36 @@ def test_a_meta_value_in_load_state_dict_is_named_and_changes_nothing():
     for message, unchanged_ in run_on_ranks(2, on_ranks_load_a_meta_value):
         assert "'blocks.0.up.weight'" in message and "meta device" in message, message
         assert unchanged_
+
+
+def on_ranks_a_call_on_one_rank(stage: int, call: str, path: str) -> list[str]:
+    """Rank 0 alone calls ``call`` between steps while rank 1 goes on to the next step. Its first
+    data collective met rank 1's gather header, and gloo aborted the process (SIGABRT)."""
+    from shardwrap import ShardedModule, save_checkpoint
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    errors = []
+    for step in range(2):
+        if step == 1 and dist.get_rank() == 0:
+            try:
+                model.full_state_dict() if call == "full_state_dict" else save_checkpoint(path, model, opt)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        try:
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.parametrize("stage,call", [(1, "save_checkpoint"), (3, "full_state_dict")])
+def test_a_call_between_steps_on_one_rank_only_is_named_on_every_rank(tmp_path, stage, call):
+    caller, other = run_on_ranks(2, on_ranks_a_call_on_one_rank, stage, call, str(tmp_path / "ckpt"), timeout=60)
+    assert f"ranks disagree on the next collective at the start of {call}" in caller[0], caller
+    assert "all-gather of unit '<root>' in forward" in caller[0], caller
+    assert f"rank 0: {call}, between steps" in other[0], other
+    assert all("fell out of step" in e for e in caller[1:] + other[1:]), (caller, other)

@@ -474,28 +474,56 @@ def _first_step_keys(opt: torch.optim.Optimizer, options: Mapping[str, Any], g: 
     the param group ``options`` (a zero gradient on a one-element copy, with torch's global
     optimizer hooks held back; ``opt`` is not touched), or None where it cannot be built so."""
     if (g, dim) not in cache:
-        from torch.optim import optimizer as torch_optimizer
-
-        hooks: tuple[Any, ...] = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
-        held = [dict(h) for h in hooks]
-        try:
-            for h in hooks:
-                h.clear()
-            dummy = torch.zeros((1,) * dim, requires_grad=True)
-            try:
-                probe = type(opt)([dummy], **opt.defaults)
-            except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
-                probe = type(opt)([dummy])  # type: ignore[call-arg]
-            probe.param_groups[0].update({k: v for k, v in options.items() if k != "params"})
-            dummy.grad = torch.zeros_like(dummy)
-            probe.step()
-            cache[(g, dim)] = set(probe.state[dummy])
-        except Exception:  # options this copy cannot run with (a closure, capturable): the real load decides
-            cache[(g, dim)] = None
-        finally:
-            for h, kept in zip(hooks, held):
-                h.update(kept)
+        state = _probe_step(opt, options, dim)
+        cache[(g, dim)] = None if state is None else set(state)
     return cache[(g, dim)]
+
+
+class _StateMade(Exception):
+    """Raised by a probe's ``_init_group`` once it has made the state, before the step's update."""
+
+
+def _probe_step(opt: torch.optim.Optimizer, options: Mapping[str, Any], dim: int, *, stop_at_init: bool = False) -> dict[str, Any] | None:
+    """The state one step of ``opt``'s kind leaves for a one-element parameter of ``dim``
+    dimensions with a zero gradient under the param group ``options`` (``stop_at_init``: the state
+    its ``_init_group`` creates, the step stopped before its update), with torch's global optimizer
+    hooks held back and ``opt`` not touched; None where the copy cannot run (a closure, capturable)
+    or, with ``stop_at_init``, has no ``_init_group`` that makes state."""
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks: tuple[Any, ...] = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    held = [dict(h) for h in hooks]
+    try:
+        for h in hooks:
+            h.clear()
+        dummy = torch.zeros((1,) * dim, requires_grad=True)
+        try:
+            probe = type(opt)([dummy], **opt.defaults)
+        except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
+            probe = type(opt)([dummy])  # type: ignore[call-arg]
+        probe.param_groups[0].update({k: v for k, v in options.items() if k != "params"})
+        dummy.grad = torch.zeros_like(dummy)
+        if stop_at_init:
+            init_group = probe._init_group  # type: ignore[attr-defined]
+
+            def stop_after(*args: Any, **kwargs: Any) -> Any:
+                init_group(*args, **kwargs)
+                raise _StateMade
+
+            probe._init_group = stop_after  # type: ignore[attr-defined]
+        try:
+            probe.step()
+        except _StateMade:
+            pass
+        else:
+            if stop_at_init:
+                return None  # a step that never made state in _init_group
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in probe.state[dummy].items()}
+    except Exception:
+        return None
+    finally:
+        for h, kept in zip(hooks, held):
+            h.update(kept)
 
 
 def _state_keys(state: Mapping[Any, Any]) -> dict[Any, list[str]]:
@@ -649,10 +677,6 @@ def load_sharded_optim_state_dict(model: "ShardedModule", opt: torch.optim.Optim
     opt.load_state_dict(sharded_optim_load(model, opt, osd))
 
 
-class _StateMade(Exception):
-    """Raised by a probe's ``_init_group`` once it has made the state, before the step's update."""
-
-
 def fresh_optim_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The state dict of ``opt`` (which has no state yet) with every parameter's state as its
     first step would start from, while ``opt`` itself keeps no state and every gradient it had.
@@ -710,42 +734,11 @@ def _reset_to_made(entry: dict[str, Any], made: Mapping[str, Any] | None) -> Non
 
 def _made_with_state(opt: torch.optim.Optimizer, g: int) -> dict[str, Any] | None:
     """The state one of torch's optimizers creates for an element of param group ``g`` before its
-    first update (``_init_group`` run on a one-element copy, which then stops the step; torch's
-    global step hooks held back, ``opt`` not touched), or None for another optimizer or one
-    whose copy cannot run. Every torch optimizer creates each entry with one value throughout."""
+    first update (``_probe_step`` stopped after ``_init_group``), or None for another optimizer or
+    one whose copy cannot run. Every torch optimizer creates each entry with one value throughout."""
     if not type(opt).__module__.startswith("torch.optim") or not hasattr(type(opt), "_init_group"):
         return None
-    from torch.optim import optimizer as torch_optimizer
-
-    hooks: tuple[Any, ...] = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
-    held = [dict(h) for h in hooks]
-    try:
-        for h in hooks:
-            h.clear()
-        dummy = torch.zeros(1, requires_grad=True)
-        try:
-            probe = type(opt)([dummy], **opt.defaults)
-        except TypeError:  # defaults that are no constructor argument (AdamW's decoupled_weight_decay)
-            probe = type(opt)([dummy])  # type: ignore[call-arg]
-        probe.param_groups[0].update({k: v for k, v in opt.param_groups[g].items() if k != "params"})
-        dummy.grad = torch.zeros_like(dummy)
-        init_group = probe._init_group  # type: ignore[attr-defined]
-
-        def stop_after(*args: Any, **kwargs: Any) -> Any:
-            init_group(*args, **kwargs)
-            raise _StateMade
-
-        probe._init_group = stop_after  # type: ignore[attr-defined]
-        try:
-            probe.step()
-        except _StateMade:
-            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in probe.state[dummy].items()}
-        return None  # a step that never made state in _init_group
-    except Exception:  # options this copy cannot run with (a closure, capturable)
-        return None
-    finally:
-        for h, kept in zip(hooks, held):
-            h.update(kept)
+    return _probe_step(opt, opt.param_groups[g], 1, stop_at_init=True)
 
 
 def check_full(model: "ShardedModule", opt: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> list[str]:

@@ -348,9 +348,10 @@ def _drop_optimizer_files(store: "weakref.ref[OffloadStore]", owner: int) -> Non
 class StateOnDisk(TorchDispatchMode):
     """During an optimizer step that creates state: ``zeros_like(p)`` / ``empty_like(p)`` of an
     offloaded parameter ``p`` (how Adam, AdamW, Adagrad... create theirs) returns zeros in the
-    store instead of anonymous memory. ``place(p, n)`` gives the ``n``-th such tensor for ``p``."""
+    store instead of anonymous memory. ``place(p, zeros)`` gives the next such tensor for ``p``,
+    zeroed for ``zeros_like`` where its file held a state before (files start as zeros)."""
 
-    def __init__(self, place: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    def __init__(self, place: Callable[[torch.Tensor, bool], torch.Tensor | None]) -> None:
         super().__init__()
         self._place = place
 
@@ -359,10 +360,7 @@ class StateOnDisk(TorchDispatchMode):
         if func in (torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default) and isinstance(args[0], DTensor):
             dtype = kwargs.get("dtype")
             if dtype is None or dtype == args[0].dtype:
-                placed = self._place(args[0])
+                placed = self._place(args[0], func is torch.ops.aten.zeros_like.default)
                 if placed is not None:
-                    if func is torch.ops.aten.zeros_like.default:
-                        # a file this optimizer used before its state was cleared: zeros, as asked
-                        (placed.to_local() if isinstance(placed, DTensor) else placed).zero_()
                     return placed
         return func(*args, **kwargs)

@@ -718,14 +718,14 @@ def _offload_pre_step(optimizer: torch.optim.Optimizer) -> bool:
     if fresh:
         counts: dict[int, int] = {}
 
-        def place(p: torch.Tensor) -> torch.Tensor | None:
+        def place(p: torch.Tensor, zeros: bool) -> torch.Tensor | None:
             where = fresh.get(id(p))
             if where is None:
                 return None
             unit, i = where
             number = counts.get(id(p), 0)
             counts[id(p)] = number + 1
-            return unit.state_view(optimizer, i, number, p.dtype)
+            return unit.state_view(optimizer, i, number, p.dtype, zeros=zeros)
 
         modes.append(StateOnDisk(place))
     for mode in modes:

@@ -783,13 +783,16 @@ class Unit:
 
     # ---- offloaded optimizer state (design/notes/offload.md) -------------------------------------
 
-    def state_view(self, optimizer: object, i: int, number: int, dtype: torch.dtype) -> DTensor:
+    def state_view(self, optimizer: object, i: int, number: int, dtype: torch.dtype, *, zeros: bool = False) -> DTensor:
         """Parameter ``i``'s part of the unit's ``number``-th optimizer-state file of ``optimizer``
         (one file per state a parameter has: Adam's ``exp_avg`` is number 0 for every parameter),
-        a DTensor laid out like the parameter. The file is made on first use."""
+        a DTensor laid out like the parameter. The file is made on first use, holding zeros;
+        ``zeros``: a file made before (a state the optimizer cleared) is zeroed too."""
         assert self.store is not None
-        arena, _ = self.store.state_arena(optimizer, self.index, number, self.layout.shard_numel, dtype)
+        arena, made = self.store.state_arena(optimizer, self.index, number, self.layout.shard_numel, dtype)
         view = self.layout.sharded_views(arena, self.rank)[i]
+        if zeros and not made:
+            view.zero_()
         return self.as_dtensor(view, self.layout.slots[i])
 
     # ---- the flat shard (the surface state_dict.py and checkpoint.py read) ----------------------

@@ -64,14 +64,21 @@ def _agree(value: Any, model: "ShardedModule", group: collectives.Group | None =
 def _agreed(model: "ShardedModule", step: Callable[[], T]) -> T:
     """Run ``step`` on every rank; if it raised on any rank, raise the first rank's error on every
     rank (same type and message), so that no rank goes on alone."""
+    own: BaseException | None = None
     try:
         result, failure = step(), None
-    except Exception as exc:
-        result, failure = None, (type(exc).__name__, str(exc))
-    failures = [f for f in collectives.all_gather_object(failure, model.world_group) if f is not None]
-    if failures:
-        name, message = failures[0]
-        raise _ERRORS.get(name, RuntimeError)(message)
+    except BaseException as exc:  # an interrupt too: the other ranks wait for this rank's answer
+        result, own = None, exc
+        failure = (type(exc).__name__, str(exc), isinstance(exc, Exception))
+    failures = collectives.all_gather_object(failure, model.world_group)
+    if own is not None and not isinstance(own, Exception):
+        raise own  # KeyboardInterrupt or SystemExit stays what it was on the rank it reached
+    for rank, found in enumerate(failures):
+        if found is not None:
+            name, message, is_error = found
+            if not is_error:
+                raise RuntimeError(f"rank {rank} was stopped ({name}: {message}); every rank stops here with it")
+            raise _ERRORS.get(name, RuntimeError)(message)
     return result  # type: ignore[return-value]
 
 
@@ -103,21 +110,14 @@ def _first_ranks_buffers(model: "ShardedModule", sd: dict[str, Any]) -> dict[str
     return {**sd, **dict(zip(plain, copies))}
 
 
-def _record_checksums(tmp: str, metadata: Metadata, model: "ShardedModule", group: collectives.Group) -> dict[str, files.FileRecord]:
-    """Every file of the checkpoint in ``tmp`` with its size and xxh3-64 hash, on every rank; each rank
-    reads its share (``checkpoint_files.share``). Every rank has finished writing when it returns."""
+def _my_checksums(tmp: str, metadata: Metadata, rank: int, world: int) -> dict[str, files.FileRecord]:
+    """Size and xxh3-64 hash of this rank's share (``checkpoint_files.share``) of the files of the
+    checkpoint in ``tmp``; the ranks' shares together cover every file."""
     names = sorted({files.METADATA} | {info.relative_path for info in metadata.storage_data.values()})
-    rank, world = model.world_rank, model.world_size
     try:
-        mine: Any = {name: files.checksum(os.path.join(tmp, name)) for name in files.share(names, rank, world)}
+        return {name: files.checksum(os.path.join(tmp, name)) for name in files.share(names, rank, world)}
     except OSError as exc:
-        mine = f"rank {rank}: {exc}"
-    records: dict[str, files.FileRecord] = {}
-    for part in collectives.all_gather_object(mine, group):
-        if isinstance(part, str):
-            raise OSError(f"the checkpoint's files could not be checksummed ({part})")
-        records.update(part)
-    return records
+        raise OSError(f"the checkpoint's files could not be checksummed ({exc})") from exc
 
 
 # Tests set this to simulate a crash (SIGKILL) or a slow write at a named point of a save: "started"
@@ -315,28 +315,62 @@ def _write_file(directory: str, name: str, body: bytes) -> files.FileRecord:
 def _save(path: str, state: dict[str, Any], extras: dict[str, bytes], model: "ShardedModule", group: collectives.Group) -> None:
     """Write ``state`` (and the first rank's ``extras``: file name -> bytes) into a temporary
     directory beside ``path``, record checksums, and have the first rank publish it
-    (``_commit``); every collective runs over ``group``."""
-    _reached("started")
-    tmp = _agree(f"{path}.tmp-{uuid.uuid4().hex[:8]}", model, group)
-    try:
-        metadata = _write(state, tmp, group)
+    (``_commit``); every collective runs over ``group``.
+
+    A failure on one rank between collectives (an error, or an interrupt: ``KeyboardInterrupt``
+    on one rank) still reaches the next collective as that rank's answer, so every rank fails
+    together, the temporary directory goes only once no rank writes into it, and the ranks stay
+    in step for whatever the program does next (design/notes/failure-modes.md)."""
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    own: BaseException | None = None
+
+    def together(work: Callable[[], Any]) -> list[Any]:
+        """``work()`` here, and every rank's result or failure (a string) from one gather."""
+        nonlocal own
+        try:
+            mine = work()
+        except BaseException as exc:
+            own, mine = exc, f"rank {rank}: {type(exc).__name__}: {exc}"
+        parts = collectives.all_gather_object(mine, group)
+        failures = [p for p in parts if isinstance(p, str)]
+        if failures:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)  # no rank writes into it any more
+            if own is not None and not isinstance(own, Exception):
+                raise own  # an interrupt, or DCP's CheckpointException (every rank has it)
+            raise RuntimeError(f"checkpoint '{path}' could not be saved ({failures[0]}); what was at that path is unchanged")
+        return parts
+
+    def start() -> tuple[str]:
+        _reached("started")
+        return (f"{path}.tmp-{uuid.uuid4().hex[:8]}",)
+
+    tmp = ""
+    tmp = together(start)[0][0]  # the first rank's name
+
+    def write() -> dict[str, files.FileRecord]:
+        metadata = _write(state, tmp, group)  # DCP gathers a failure while writing itself
         _reached("written")
-        records = _record_checksums(tmp, metadata, model, group)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return _my_checksums(tmp, metadata, rank, world)
+
+    parts = together(write)  # every rank has finished writing here
+    records: dict[str, files.FileRecord] = {}
+    for part in parts:
+        records.update(part)
     failure = None
-    if collectives.group_rank(group) == 0:
+    if rank == 0:
         try:
             for name, body in extras.items():
                 records[name] = _write_file(tmp, name, body)
             files.write_manifest(tmp, records)
             _reached("agreed")
             _commit(tmp, path)
-        except Exception as exc:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = f"{type(exc).__name__}: {exc}"
+            own, failure = exc, f"rank 0: {type(exc).__name__}: {exc}"
     failure = _agree(failure, model, group)  # every rank waits here for the commit
+    if own is not None and not isinstance(own, Exception):
+        raise own
     if failure:
         raise RuntimeError(f"checkpoint '{path}' could not be saved ({failure}); what was at that path is unchanged")
 

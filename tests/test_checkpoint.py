@@ -369,6 +369,59 @@ def test_saves_are_atomic_and_bad_checkpoints_change_nothing(tmp_path):
             assert unchanged, f"{name}: the model or optimizer changed"
 
 
+def on_ranks_one_rank_stopped_in_save(path: str, cases: list[tuple[str, int, str]]) -> list[dict]:
+    """For each (point, rank, kind): a save during which ``rank`` alone raises ``kind``
+    (KeyboardInterrupt, as a Ctrl-C reaching one process, or RuntimeError) at ``point``. Then
+    every rank trains one more step and saves again, and a fresh model loads that save."""
+    from shardwrap import checkpoint, load_checkpoint, save_checkpoint
+
+    model, opt = make(MLP)
+    train(MLP, model, opt, range(2))
+    save_checkpoint(path, model, opt)
+    found = []
+    for step, (point, rank, kind) in enumerate(cases):
+        def stop(reached: str) -> None:
+            if reached == point and dist.get_rank() == rank:
+                raise {"KeyboardInterrupt": KeyboardInterrupt, "RuntimeError": RuntimeError}[kind]("stopped here")
+
+        checkpoint.fault_point = stop
+        try:
+            save_checkpoint(path, model, opt)
+            raised = "nothing"
+        except BaseException as exc:  # what each rank saw
+            raised = f"{type(exc).__name__}: {exc}"
+        finally:
+            checkpoint.fault_point = None
+        left = sorted(n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n)
+        train(MLP, model, opt, range(2 + step, 3 + step))  # the ranks are still in step
+        save_checkpoint(path, model, opt)
+        fresh, fresh_opt = make(MLP)
+        load_checkpoint(path, fresh, fresh_opt)
+        same = all(torch.equal(v, fresh.full_state_dict(rank0_only=False)[k]) for k, v in model.full_state_dict(rank0_only=False).items())
+        found.append({"raised": raised, "tmp_left": left, "resumed": same})
+    return found
+
+
+def test_a_save_stopped_on_one_rank_fails_on_every_rank_and_training_goes_on(tmp_path):
+    """A failure on one rank between the save's collectives (an interrupt there, the rank's error)
+    used to leave the other ranks inside a collective: the interrupted rank removed the temporary
+    directory the others were writing into, and its next collective met theirs (SIGABRT)."""
+    cases = [
+        ("started", 1, "KeyboardInterrupt"), ("writing", 1, "KeyboardInterrupt"), ("written", 0, "KeyboardInterrupt"),
+        ("written", 1, "RuntimeError"), ("agreed", 0, "KeyboardInterrupt"), ("moved_old", 0, "RuntimeError"),
+    ]
+    per_rank = run_on_ranks(2, on_ranks_one_rank_stopped_in_save, str(tmp_path / "ckpt"), cases, timeout=240)
+    for r, found in enumerate(per_rank):
+        for (point, rank, kind), got in zip(cases, found):
+            assert got["tmp_left"] == [] and got["resumed"], (point, rank, r, got)
+            if point == "writing":  # inside DCP's write: DCP gathers the failure itself
+                assert got["raised"].startswith("CheckpointException"), (point, r, got)
+            elif r == rank and kind == "KeyboardInterrupt":  # the interrupt stays one; errors are agreed
+                assert got["raised"] == f"{kind}: stopped here", (point, r, got)
+            else:
+                assert f"could not be saved (rank {rank}: {kind}: stopped here)" in got["raised"], (point, r, got)
+
+
 def on_ranks_other_optimizer_kind(path: str, saved_by: str, door: str) -> dict:
     """A checkpoint written with one optimizer class, loaded with another (SGD's groups have no
     betas, AdamW's no momentum): refused, naming the missing option, with the model and the

@@ -13,7 +13,7 @@ themselves (one more collective) to name the first differing parameter on every 
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, cast
 
 import torch
 
@@ -93,3 +93,57 @@ def check_same_model(entries: Sequence[Entry], group: collectives.Group) -> None
         f"config, dtype, buffers and frozen parameters) and wrap it with the same arguments; load "
         f"rank-specific weights after wrapping with load_state_dict"
     )
+
+
+# ---- the optimizer a between-steps call saves -------------------------------------------------------
+
+# (class name, has state, [(parameter names, {option: repr}) per param group]), or a string: why this
+# rank could not describe its optimizer
+OptimizerDescription = tuple[str, bool, list[tuple[list[str], dict[str, str]]]]
+
+
+def _optimizer_difference(by_rank: Sequence[OptimizerDescription]) -> str:
+    """The first thing that differs between the ranks' optimizers, with every rank's value."""
+    def each(value_of: "Callable[[OptimizerDescription], object]") -> str:
+        return "; ".join(f"rank {r}: {value_of(d)}" for r, d in enumerate(by_rank))
+
+    if len({d[0] for d in by_rank}) > 1:
+        return f"the class ({each(lambda d: d[0])})"
+    if len({len(d[2]) for d in by_rank}) > 1:
+        return f"the number of param groups ({each(lambda d: len(d[2]))})"
+    for i in range(len(by_rank[0][2])):
+        names = [d[2][i][0] for d in by_rank]
+        if any(n != names[0] for n in names):
+            return f"the parameters of param group {i} ({each(lambda d: _few(d[2][i][0]))})"
+        keys = list(dict.fromkeys(k for d in by_rank for k in d[2][i][1]))
+        for key in keys:
+            values = [d[2][i][1].get(key, "absent") for d in by_rank]
+            if any(v != values[0] for v in values):
+                return f"param group {i}'s '{key}' ({each(lambda d: d[2][i][1].get(key, 'absent'))})"
+    if len({d[1] for d in by_rank}) > 1:
+        return f"whether it has stepped ({each(lambda d: 'has state' if d[1] else 'fresh')}; one built again on some ranks?)"
+    return "nothing found"
+
+
+def _few(names: Sequence[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:3])
+    return f"{len(names)} parameter(s): {shown}{', ...' if len(names) > 3 else ''}"
+
+
+def check_same_optimizer(mine: "OptimizerDescription | str", group: collectives.Group, what: str) -> None:
+    """Raise on every rank, before ``what`` writes anything, unless every rank's optimizer has the
+    same class, param groups (parameters by name, options) and has stepped alike. A checkpoint
+    records one rank's param groups, and the state DCP writes must cover the same parameters on
+    every rank: ranks that differ wrote a checkpoint that loads nowhere, failed in DCP's planner
+    with its own words, or saved the first rank's learning rate for all (one object gather)."""
+    by_rank = collectives.all_gather_object(mine, group)
+    failed = [(r, d) for r, d in enumerate(by_rank) if isinstance(d, str)]
+    if failed:
+        rank, why = failed[0]
+        raise ValueError(f"{what}: rank {rank}: {why}; nothing was written")
+    described = cast("list[OptimizerDescription]", by_rank)
+    if any(d != described[0] for d in described):
+        raise ValueError(
+            f"{what}: the optimizer differs between ranks in {_optimizer_difference(described)}. Build the same "
+            f"optimizer on every rank (class, param groups and their options) from model.parameters(); nothing was written"
+        )

@@ -288,6 +288,8 @@ def save_checkpoint_with(
     directory, and the manifest covers them. ``load_checkpoint_with`` reads them back."""
     global _pending
     wait_for_saves()
+    if optimizer is not None:
+        state_dict.agree_on_optimizer(model, optimizer, "save_checkpoint")
     state: dict[str, Any] = {"model": _first_ranks_buffers(model, model.state_dict())}
     if optimizer is not None:
         # no template for a fresh optimizer: its checkpoint holds no state, and loads as a fresh one
@@ -660,6 +662,8 @@ def content_digest(value: Any) -> str:
 def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Gather full model (and optimizer) state on the first rank and ``torch.save`` it atomically:
     a plain PyTorch checkpoint that loads into the unwrapped model."""
+    if optimizer is not None:
+        state_dict.agree_on_optimizer(model, optimizer, "save_full")
     state: dict[str, Any] = {"model": model.full_state_dict()}
     if optimizer is not None:
         state["optim"] = model.full_optim_state_dict(optimizer)

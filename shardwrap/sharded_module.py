@@ -1806,6 +1806,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 "clip_grad_norm_: gradients accumulated under no_sync() are not reduced yet; run the "
                 "last micro-batch's backward outside no_sync(), then clip"
             )
+        self.agree_on_call("clip_grad_norm_")
         norm_type = float(norm_type)
         # Hybrid: every replica holds the same gradient, so the shard axis sums it. With tensor
         # parallelism every rank holds a different part: sum over all, counting each part once.
@@ -1972,6 +1973,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         full state tensors, indexed like a plain optimizer, param_groups unchanged."""
         self.check_between_steps("full_optim_state_dict")
         self.agree_on_call("full_optim_state_dict")
+        _sd.agree_on_optimizer(self, optimizer, "full_optim_state_dict")
         return _sd.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:

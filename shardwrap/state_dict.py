@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardwrap import collectives
+from shardwrap import agreement, collectives
 from shardwrap.flat_param import ParamSlot
 from shardwrap.unit import local_of
 
@@ -594,6 +594,32 @@ def _group_names(model: "ShardedModule", opt: torch.optim.Optimizer) -> list[lis
         slots = [_slot_of(model, p) for p in group["params"]]
         names.append([handle.layout.slots[i].fqn for handle, i in slots])
     return names
+
+
+def optimizer_description(model: "ShardedModule", opt: torch.optim.Optimizer) -> "agreement.OptimizerDescription | str":
+    """What ``agreement.check_same_optimizer`` compares between ranks: the class, whether it has
+    state, and each param group's parameters (original names) and options (``repr``; a tensor's
+    values). A string where this rank's optimizer holds a tensor that is no parameter of ``model``."""
+    try:
+        names = _group_names(model, opt)
+    except ValueError as exc:
+        return str(exc)
+
+    def shown(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return repr(value.tolist())
+        text = repr(value)
+        return f"<{type(value).__qualname__}>" if " at 0x" in text else text  # an address differs per process
+
+    groups = [(n, {k: shown(v) for k, v in g.items() if k != "params"}) for n, g in zip(names, opt.param_groups)]
+    return type(opt).__qualname__, bool(opt.state), groups
+
+
+def agree_on_optimizer(model: "ShardedModule", opt: torch.optim.Optimizer, what: str) -> None:
+    """Every rank's ``opt`` is the same optimizer (``agreement.check_same_optimizer``), checked
+    on every rank before ``what`` writes anything; one object gather, on any backend."""
+    if model.world_group.size() > 1:
+        agreement.check_same_optimizer(optimizer_description(model, opt), model.world_group, what)
 
 
 def sharded_optim_problems(model: "ShardedModule", opt: torch.optim.Optimizer, osd: Any) -> list[str]:

@@ -147,6 +147,7 @@ def enter(model: ShardedModule, units: list[Unit], recurse: bool, writeback: boo
     """Gather the parameters of ``units`` and put full copies in their slots; nothing else changes."""
     modifier_rank = _check_args(model, recurse, writeback, rank0_only, offload_to_cpu, with_grads, modifier_rank)
     _check_state(model, units, with_grads)
+    model.agree_on_call("summon_full_params")
     if with_grads:
         _agree_on_grads(model, units)
     keep = not rank0_only or model.world_rank == 0

@@ -365,7 +365,15 @@ def on_ranks_a_call_on_one_rank(stage: int, call: str, path: str) -> list[str]:
     for step in range(2):
         if step == 1 and dist.get_rank() == 0:
             try:
-                model.full_state_dict() if call == "full_state_dict" else save_checkpoint(path, model, opt)
+                if call == "full_state_dict":
+                    model.full_state_dict()
+                elif call == "clip_grad_norm_":
+                    model.clip_grad_norm_(1.0)
+                elif call == "summon_full_params":
+                    with model.summon_full_params():
+                        pass
+                else:
+                    save_checkpoint(path, model, opt)
             except RuntimeError as exc:
                 errors.append(str(exc))
         try:
@@ -377,10 +385,74 @@ def on_ranks_a_call_on_one_rank(stage: int, call: str, path: str) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("stage,call", [(1, "save_checkpoint"), (3, "full_state_dict")])
+@pytest.mark.parametrize("stage,call", [
+    (1, "save_checkpoint"), (3, "full_state_dict"), (3, "clip_grad_norm_"), (2, "summon_full_params"),
+])
 def test_a_call_between_steps_on_one_rank_only_is_named_on_every_rank(tmp_path, stage, call):
     caller, other = run_on_ranks(2, on_ranks_a_call_on_one_rank, stage, call, str(tmp_path / "ckpt"), timeout=60)
     assert f"ranks disagree on the next collective at the start of {call}" in caller[0], caller
     assert "all-gather of unit '<root>' in forward" in caller[0], caller
     assert f"rank 0: {call}, between steps" in other[0], other
     assert all("fell out of step" in e for e in caller[1:] + other[1:]), (caller, other)
+
+
+def on_ranks_another_optimizer_on_one_rank(variant: str, call: str, path: str) -> dict:
+    """Rank 1 builds its optimizer differently (``variant``), both train two steps, then every
+    rank makes ``call``. A checkpoint holds one rank's param groups, and DCP's plan needs the same
+    state on every rank: these saved the first rank's learning rate for all, or died in DCP's
+    planner with its own words. Then both ranks train on and save, to show they are in step."""
+    import os
+
+    from shardwrap import ShardedModule, save_checkpoint, save_full
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block}, stage=3)
+    params = list(model.parameters())
+    other = dist.get_rank() == 1
+    if variant == "lr" and other:
+        opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    elif variant == "groups" and other:
+        opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=0.1, momentum=0.9)
+    elif variant == "class" and other:
+        opt = torch.optim.AdamW(params, lr=0.1)
+    else:
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(), step()
+    if variant == "fresh" and other:  # built again after training: no state
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if variant == "foreign" and other:
+        opt = torch.optim.SGD([*params, nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    calls = {
+        "save_checkpoint": lambda: save_checkpoint(path, model, opt),
+        "save_full": lambda: save_full(path, model, opt),
+        "full_optim_state_dict": lambda: model.full_optim_state_dict(opt),
+    }
+    try:
+        calls[call]()
+        error = "nothing raised"
+    except ValueError as exc:
+        error = str(exc)
+    written = os.path.exists(path)
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    step()
+    save_checkpoint(path + "-after", model, opt)
+    return {"error": error, "written": written}
+
+
+@pytest.mark.parametrize("variant,call,fragments", [
+    ("lr", "save_checkpoint", ["param group 0's 'lr' (rank 0: 0.1; rank 1: 0.2)"]),
+    ("groups", "save_full", ["the number of param groups (rank 0: 1; rank 1: 2)"]),
+    ("class", "full_optim_state_dict", ["the class (rank 0: SGD; rank 1: AdamW)"]),
+    ("fresh", "save_checkpoint", ["whether it has stepped (rank 0: has state; rank 1: fresh"]),
+    ("foreign", "save_checkpoint", ["rank 1: the optimizer holds a tensor that is not a parameter of this ShardedModule"]),
+])
+def test_an_optimizer_built_otherwise_on_one_rank_is_named_before_anything_is_saved(tmp_path, variant, call, fragments):
+    for r, got in enumerate(run_on_ranks(2, on_ranks_another_optimizer_on_one_rank, variant, call, str(tmp_path / "ckpt"), timeout=90)):
+        assert all(f in got["error"] for f in fragments) and call in got["error"], (r, got)
+        assert not got["written"], (r, got)

@@ -163,6 +163,16 @@ def leave(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def settle(optimizer: torch.optim.Optimizer) -> None:
+    """The DTensor parameters back in ``optimizer``'s groups if a step raised (its closure, or the
+    update) and left its swap behind; nothing otherwise, or while a closure runs. shardwrap's
+    readers of the groups (state dicts, saves) call it: they saw the stand-ins, which are no
+    parameter of the model, until the next step or forward put them back."""
+    swap = _SWAPS.get(optimizer)
+    if swap is not None and not swap.closure_running:
+        leave(optimizer)
+
+
 def _local_grad(p: DTensor) -> torch.Tensor | None:
     grad = p.grad
     return grad._local_tensor if isinstance(grad, DTensor) else grad

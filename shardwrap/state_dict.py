@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardwrap import agreement, collectives
+from shardwrap import agreement, collectives, local_step
 from shardwrap.flat_param import ParamSlot
 from shardwrap.unit import local_of
 
@@ -333,6 +333,7 @@ def _broadcast_unit(handle: "Unit", sd: Mapping[str, Any], names: dict[int, list
 
 
 def _opt_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    local_step.settle(opt)  # a step that raised left its stand-ins in the groups
     return [p for group in opt.param_groups for p in group["params"]]
 
 
@@ -589,6 +590,7 @@ def optimizer_slots(model: "ShardedModule", opt: torch.optim.Optimizer) -> dict[
 
 def _group_names(model: "ShardedModule", opt: torch.optim.Optimizer) -> list[list[str]]:
     """The original names of each param group's parameters, in the group's order."""
+    local_step.settle(opt)
     names = []
     for group in opt.param_groups:
         slots = [_slot_of(model, p) for p in group["params"]]

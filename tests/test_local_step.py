@@ -221,3 +221,59 @@ def test_an_optimizers_own_step_hooks_see_the_dtensors_and_match_the_unwrapped_m
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(results[0]["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
+
+
+def on_ranks_read_after_a_failed_step(path: str, where: str) -> dict:
+    """Two steps, then a step that raises (in its closure, or in the update) and is caught; then
+    at once, before any forward, the state dicts and a checkpoint. The failed step left its
+    stand-ins in the groups, and shardwrap's readers refused them as "not a parameter of this
+    ShardedModule" until the next step or forward."""
+    from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
+
+    c = case("sgd", 3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build():  # type: ignore[no-untyped-def]
+        model = ShardedModule(build_model(c), auto_wrap_policy=resolve_policy(c), stage=3)
+        return model, build_optimizer(c, model)
+
+    model, opt = build()
+    for step in range(2):
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(c, step).items()}
+        loss_fn(c, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    before = model.full_optim_state_dict(opt, rank0_only=False)
+
+    def fails() -> torch.Tensor:
+        raise RuntimeError("planted failure")
+
+    if where == "update":
+        opt._init_group = lambda *a, **k: fails()  # type: ignore[attr-defined]
+    try:
+        opt.step(fails) if where == "closure" else opt.step()
+    except RuntimeError:
+        pass
+    if where == "update":
+        del opt._init_group  # type: ignore[attr-defined]
+    out: dict = {}
+    try:
+        after = model.full_optim_state_dict(opt, rank0_only=False)
+        save_checkpoint(path, model, opt)
+        fresh, fresh_opt = build()
+        load_checkpoint(path, fresh, fresh_opt)
+        loaded = fresh.full_optim_state_dict(fresh_opt, rank0_only=False)
+        out["same"] = all(
+            d["param_groups"] == before["param_groups"]
+            and all(torch.equal(d["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
+            for d in (after, loaded)
+        )
+    except ValueError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("where", ["closure", "update"])
+def test_state_dicts_and_saves_right_after_a_failed_step_see_the_parameters(tmp_path, where):
+    for got in run_on_ranks(WORLD, on_ranks_read_after_a_failed_step, str(tmp_path / "ckpt"), where):
+        assert got == {"same": True}, got

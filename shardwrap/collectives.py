@@ -369,8 +369,9 @@ def wait(work: dist.Work | Waitable | None, what: str = "") -> None:
             _fatal.append(f"{what} failed: another rank's process went away, or its connection closed")
             raise PeerLost(
                 f"rank {rank()}: {what} failed: another rank's process went away (killed, out of memory, "
-                f"crashed, or its node or the network went down). Its own log, or the scheduler's, says why; "
-                f"this error follows from it. Restart the job from the last checkpoint "
+                f"crashed, or its node or the network went down), or it gave up (or exited) after waiting "
+                f"for this rank past the process group's timeout (then this rank was the late one). Its own "
+                f"log, or the scheduler's, says which; this error follows from it. Restart the job from the last checkpoint "
                 f"(shardwrap.save_checkpoint / load_checkpoint) ({exc})"
             ) from exc
         if not what or "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():

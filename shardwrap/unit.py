@@ -25,7 +25,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -1531,6 +1531,8 @@ class Unit:
         The same for a parameter whose ``.data`` was replaced (``p.data = t``): a DTensor holds
         no storage of its own, and that assignment gives it one that nothing reads."""
         for i, (param, slot) in enumerate(zip(self.sharded_params, self.layout.slots)):
+            if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
+                self._refuse_resized(i)
             if param.numel() and param.data_ptr() != param.storage_offset() * param.element_size():  # a real storage
                 # Undo it first (the wrapper gets a storage-less DTensor's metadata back; its local
                 # shard never changed), so the error leaves a model that can go on
@@ -1552,8 +1554,18 @@ class Unit:
                 # a view of this unit's unsharded buffer is this unit's own (torch.func.functional_call
                 # puts back what it found mid-forward); a TP view is a DTensor over one
                 ours = self._padded_unsharded.untyped_storage()._cdata
-                if held is not None and local_of(held).untyped_storage()._cdata == ours:
-                    continue
+                try:
+                    if held is not None and local_of(held).untyped_storage()._cdata == ours:
+                        continue
+                except NotImplementedError:  # functorch's wrapper has no storage to compare
+                    raise RuntimeError(
+                        f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' is a "
+                        f"torch.func transform's tensor: torch.func.grad, vmap or jacrev "
+                        f"through functional_call on a ShardedModule is not supported (the unit computes with "
+                        f"the parameters it gathers, which the transform cannot see; fully_shard returns zero "
+                        f"gradients). Run the transform on an unwrapped copy (built from full_state_dict()), or "
+                        f"compute per-sample gradients without torch.func."
+                    ) from None
                 raise RuntimeError(
                     f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' is no "
                     f"longer the wrapped parameter: '{attr}' of {type(module).__name__} was replaced after "
@@ -1562,6 +1574,37 @@ class Unit:
                     f"the model before wrapping, or write new values into the wrapped parameter "
                     f"(load_state_dict, or p.copy_ under torch.no_grad())."
                 )
+
+    def check_local_shapes(self) -> None:
+        """Between steps (before a state dict or a save): refuse a parameter whose local shard an
+        ``out=`` write resized (``_refuse_resized``)."""
+        for i, param in enumerate(self.sharded_params):
+            if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
+                self._refuse_resized(i)
+
+    def _refuse_resized(self, i: int) -> None:
+        """Parameter ``i``'s local tensor no longer has its shard's shape: an op with ``out=`` on
+        the DTensor (``nn.init.eye_`` is ``torch.eye(*p.shape, out=p)``) ran on the local tensor
+        with the global sizes and resized it in place, over the unit's flat shard, so its write
+        went on past its rows into the parameters after it. The view gets its shape back (the
+        model can be loaded again); the values written stay, so name every parameter they reached."""
+        param, view, slot = self.sharded_params[i], self._local_params[i], self.layout.slots[i]
+        local = cast(Any, param)._local_tensor  # the DTensor's own (to_local() gives an alias)
+        start, end, resized = local.storage_offset(), local.storage_offset() + local.numel(), tuple(local.shape)
+        with torch.no_grad():
+            local.as_strided_(view.shape, view.stride(), view.storage_offset())
+        reached = [
+            s.fqn for s, v in zip(self.layout.slots, self._local_params)
+            if s is not slot and v.numel() and v.storage_offset() < end and start < v.storage_offset() + v.numel()
+        ]
+        also = f"; the write also reached {', '.join(repr(n) for n in reached)} on this rank" if reached else ""
+        raise RuntimeError(
+            f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' had its local "
+            f"shard resized from {tuple(view.shape)} to {resized} by a write with out= (nn.init.eye_, "
+            f"or torch.<op>(..., out=p) on the DTensor parameter){also}. Those values are wrong now. Initialize "
+            f"before wrapping, or write full values into the wrapped model on every rank: "
+            f"model.load_state_dict({{'{slot.fqn}': full_tensor}}, strict=False) (or load a checkpoint)."
+        )
 
     def restore_params(self) -> None:
         """The slots hold the sharded parameters again (after a recomputation that stopped early)."""

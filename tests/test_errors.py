@@ -456,3 +456,103 @@ def test_an_optimizer_built_otherwise_on_one_rank_is_named_before_anything_is_sa
     for r, got in enumerate(run_on_ranks(2, on_ranks_another_optimizer_on_one_rank, variant, call, str(tmp_path / "ckpt"), timeout=90)):
         assert all(f in got["error"] for f in fragments) and call in got["error"], (r, got)
         assert not got["written"], (r, got)
+
+
+def run_with_eye_after_step_one(case, model, opt, rank: int, world: int, sharded: bool) -> dict:
+    """One step, ``nn.init.eye_`` on the square first weight, then a second step. Sharded: the
+    forward after ``eye_`` must refuse, and the model goes on once the full value is loaded."""
+    from parity import global_batch, loss_fn
+
+    def step(i: int) -> None:
+        batch = global_batch(case, i)
+        if sharded:
+            batch = {k: v.chunk(world)[rank] for k, v in batch.items()}
+        loss_fn(case, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    inner = model.module if sharded else model
+    with torch.no_grad():
+        torch.nn.init.eye_(inner.inp.weight)
+    out: dict = {}
+    if sharded:
+        for what, call in {"forward": lambda: step(1), "full_state_dict": lambda: model.full_state_dict()}.items():
+            with torch.no_grad():
+                torch.nn.init.eye_(inner.inp.weight)  # again: the refusal put the shard's shape back
+            try:
+                call()
+                out[what] = "nothing raised"
+            except RuntimeError as exc:
+                out[what] = str(exc)
+    return out
+
+
+def on_ranks_eye_after_wrapping(stage: int, plain_state: dict) -> dict:
+    """``nn.init.eye_(p)`` is ``torch.eye(*p.shape, out=p)``: on a sharded parameter it resized the
+    local shard to the global shape in place, over the unit's flat shard, and wrote into the
+    parameters after it (silently: the forward and the full state dict were 1.0-2.3 off)."""
+    from parity import Case, build_model, build_optimizer, resolve_policy
+
+    from shardwrap import ShardedModule
+
+    case = Case("mlp", {"dim": 16, "depth": 2}, policy="Block", stage=stage)
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=stage)
+    opt = build_optimizer(case, model)
+    out = run_with_eye_after_step_one(case, model, opt, dist.get_rank(), dist.get_world_size(), sharded=True)
+    model.load_state_dict(plain_state)  # the full values, written into the shards: training goes on
+    from parity import global_batch, loss_fn
+
+    batch = {k: v.chunk(dist.get_world_size())[dist.get_rank()] for k, v in global_batch(case, 1).items()}
+    loss_fn(case, model, batch).backward()
+    opt.step()
+    out["after"] = model.full_state_dict(rank0_only=False)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_out_write_that_resizes_a_shard_is_named_and_a_load_repairs_it(stage):
+    from parity import Case, assert_close_params, build_model, build_optimizer, global_batch, loss_fn
+
+    case = Case("mlp", {"dim": 16, "depth": 2}, policy="Block", stage=stage)
+    plain = build_model(case)
+    opt = build_optimizer(case, plain)
+    run_with_eye_after_step_one(case, plain, opt, 0, 1, sharded=False)
+    plain_state = {k: v.clone() for k, v in plain.state_dict().items()}
+    loss_fn(case, plain, global_batch(case, 1)).backward()
+    opt.step()
+    for got in run_on_ranks(2, on_ranks_eye_after_wrapping, stage, plain_state):
+        for what in ("forward", "full_state_dict"):
+            message = got[what]
+            assert "parameter 'inp.weight'" in message and "resized from (8, 16) to (16, 16)" in message, (what, message)
+            assert "load_state_dict" in message, (what, message)  # which neighbours it reached depends on the layout
+        for name, value in plain.state_dict().items():
+            assert_close_params(got["after"][name], value, case.optim, 1, name)
+
+
+def on_ranks_func_grad(stage: int) -> dict:
+    """``torch.func.grad`` through ``functional_call`` on the wrapped model: named (it failed with
+    "Cannot access storage of TensorWrapper"; ``fully_shard`` returns zero gradients), and the
+    model trains on."""
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block}, stage=stage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 16)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    try:
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+        error = "nothing raised"
+    except RuntimeError as exc:
+        error = str(exc)
+    model(x).sum().backward()
+    opt.step()
+    return {"error": error, "finite": all(torch.isfinite(v).all() for v in model.full_state_dict(rank0_only=False).values())}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torch_func_transforms_on_the_wrapped_model_are_named(stage):
+    for got in run_on_ranks(2, on_ranks_func_grad, stage):
+        assert "torch.func.grad, vmap or jacrev through functional_call on a ShardedModule is not supported" in got["error"], got
+        assert got["finite"]

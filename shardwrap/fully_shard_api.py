@@ -103,7 +103,10 @@ class FullyShardMethods:
             f"'{self._fs_name()}' is sharded by shardwrap, not by torch's fully_shard: it is an FSDPModule so that "
             f"code finding sharded modules with isinstance() reaches its public methods (unshard, reshard, "
             f"set_requires_gradient_sync, set_gradient_divide_factor, ...), but it has no fully_shard state for "
-            f"torch's FSDP internals (fully_shard.state(), _get_fsdp_state()) to read. Call the public methods instead"
+            f"torch's FSDP internals (fully_shard.state(), _get_fsdp_state()) to read. Call the public methods instead; "
+            f"for torch's register_fsdp_forward_method(module, name) on a unit's module, call "
+            f"model.register_forward_method(name, module=module) on the ShardedModule (on the ShardedModule itself, "
+            f"torch's call is taken as that)"
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:

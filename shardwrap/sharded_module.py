@@ -823,6 +823,13 @@ def _synced_generate(original: Callable[..., Any], world: int) -> Callable[..., 
     return generate
 
 
+def _torchs_forward_method(value: Any) -> bool:
+    """Whether ``value`` is what torch's ``register_fsdp_forward_method(module, name)`` sets on
+    the module: its ``wrapped_method`` bound to it, which reads ``fully_shard``'s state at each call."""
+    code = getattr(getattr(value, "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "wrapped_method" and "distributed/fsdp/" in code.co_filename.replace("\\", "/")
+
+
 def _refuse_resize(name: str) -> Callable[..., NoReturn]:
     """HF's ``resize_token_embeddings`` after wrapping: its copy of the old rows into the new
     matrix failed inside transformers with a DTensor error (the model unchanged); say what to do."""
@@ -1071,7 +1078,14 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 sub.__dict__["_apply"] = _InnerApply(self, sub, name)
                 sub.__dict__["__deepcopy__"] = _InnerDeepcopy(name)
             if callable(getattr(sub, "generate", None)) and hasattr(sub, "generation_config"):  # a Hugging Face model
-                setattr(sub, "generate", _synced_generate(getattr(sub, "generate"), self.world_size))
+                unit_of_sub = self._unit_of_module.get(id(sub))
+                if unit_of_sub is not None and unit_of_sub[0] is sub:
+                    # A forward method of its unit: an encoder-decoder's generate runs the encoder
+                    # outside forward (T5's get_encoder()(...)), which met the root's parameters
+                    # sharded ("mixed torch.Tensor and DTensor"), as under fully_shard unregistered
+                    self.register_forward_method("generate", module=sub)
+                else:
+                    setattr(sub, "generate", _synced_generate(getattr(sub, "generate"), self.world_size))
             if callable(getattr(sub, "resize_token_embeddings", None)):
                 setattr(sub, "resize_token_embeddings", _refuse_resize(name))
         if callable(getattr(module, "save_pretrained", None)):  # a Hugging Face model
@@ -1252,6 +1266,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if _torchs_forward_method(value) and self.__dict__.get("_wrapped", False):
+            self.register_forward_method(name)  # torch's register_fsdp_forward_method(model, name)
+            return
         inner = self._routes_to_inner(name)
         if inner is not None:
             self._refuse_unsharded_parameters(name, value)
@@ -1338,7 +1355,10 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 self._method_call = previous
 
         as_forward.__wrapped__ = bound  # type: ignore[attr-defined]
-        object.__setattr__(target, name, as_forward)  # an instance attribute: the class's method stays
+        registered: Callable[..., Any] = as_forward
+        if name == "generate" and hasattr(target, "generation_config"):  # Hugging Face's: synced_gpus stays on
+            registered = _synced_generate(as_forward, self.world_size)
+        object.__setattr__(target, name, registered)  # an instance attribute: the class's method stays
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A registered method's call runs here too, in place of the wrapped model

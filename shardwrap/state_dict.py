@@ -607,10 +607,15 @@ def optimizer_description(model: "ShardedModule", opt: torch.optim.Optimizer) ->
     except ValueError as exc:
         return str(exc)
 
-    def shown(value: Any) -> str:
+    def plain(value: Any) -> Any:  # a tensor by its values: its repr names its device (cuda:0, cuda:1)
         if isinstance(value, torch.Tensor):
-            return repr(value.tolist())
-        text = repr(value)
+            return value.tolist()
+        if isinstance(value, (tuple, list)):
+            return type(value)(plain(v) for v in value)
+        return value
+
+    def shown(value: Any) -> str:
+        text = repr(plain(value))
         return f"<{type(value).__qualname__}>" if " at 0x" in text else text  # an address differs per process
 
     groups = [(n, {k: shown(v) for k, v in g.items() if k != "params"}) for n, g in zip(names, opt.param_groups)]

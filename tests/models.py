@@ -65,6 +65,24 @@ def gpt2(
     return GPT2LMHeadModel(config)
 
 
+def t5(vocab_size: int = 128) -> nn.Module:
+    """A two-layer T5 (encoder-decoder): its ``generate`` runs the encoder outside ``forward``."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    config._attn_implementation = "eager"
+    return T5ForConditionalGeneration(config)
+
+
+def t5_block_class() -> type:
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    return T5Block
+
+
 def gpt2_block_class() -> type:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 

@@ -1348,3 +1348,55 @@ def test_parametrized_weights_train_like_one_process(kind, stage, optim):
     from parity import Case, check_parity
 
     check_parity(Case("parametrized_mlp", {"kind": kind}, policy="Block", optim=optim, stage=stage), 2)
+
+
+def t5_prompts_and_eos(world: int) -> tuple[torch.Tensor, int]:
+    """As ``prompts_and_eos``, for the T5 of ``models.t5``: rank 0's continuation ends at once."""
+    torch.manual_seed(0)
+    reference = models.t5().eval()
+    prompts = torch.randint(3, 128, (world, 1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        outs = [reference.generate(input_ids=prompts[r], max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 1:].tolist() for r in range(world)]
+    eos = next(t for t in outs[0] if all(t not in out for out in outs[1:]))
+    return prompts, eos
+
+
+def on_ranks_t5_generate(stage: int, how: str) -> dict:
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts, eos = t5_prompts_and_eos(world)
+    torch.manual_seed(0)
+    model = ShardedModule(models.t5(), auto_wrap_policy={models.t5_block_class()}, stage=stage)
+    if how == "registered":
+        model.register_forward_method("generate")
+    elif how == "torch's register_fsdp_forward_method":
+        register_fsdp_forward_method(model, "generate")
+    model.eval()
+    with torch.no_grad():
+        ids = model.generate(input_ids=prompts[rank], max_new_tokens=6, do_sample=False, eos_token_id=eos)
+    model.train()
+    model(input_ids=prompts[rank], labels=prompts[rank]).loss.backward()  # and training goes on
+    return {"ids": ids[0].tolist()}
+
+
+@pytest.mark.parametrize("how", ["as wrapped", "registered", "torch's register_fsdp_forward_method"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_encoder_decoders_generate_matches_the_unwrapped_model_however_it_is_registered(stage, how):
+    # T5's generate calls its encoder directly (get_encoder()(...)), outside forward: it failed
+    # with "mixed torch.Tensor and DTensor" (as under fully_shard, unregistered). Registered with
+    # model.register_forward_method("generate"), it lost the synced_gpus default, and at stage 3
+    # rank 1 died when rank 0 stopped early; torch's register_fsdp_forward_method reached
+    # fully_shard's internal state. Now generate is its unit's forward method from wrapping on.
+    world = 2
+    prompts, eos = t5_prompts_and_eos(world)
+    torch.manual_seed(0)
+    reference = models.t5().eval()
+    results = run_on_ranks(world, on_ranks_t5_generate, stage, how)
+    for rank, r in enumerate(results):
+        with torch.no_grad():
+            want = reference.generate(input_ids=prompts[rank], max_new_tokens=6, do_sample=False, eos_token_id=eos)
+        assert r["ids"] == want[0].tolist(), (rank, r["ids"], want[0].tolist())
+    assert len(results[0]["ids"]) < len(results[1]["ids"])  # rank 0 did stop early

@@ -399,6 +399,26 @@ def on_ranks_one_rank_stopped_in_save(path: str, cases: list[tuple[str, int, str
         load_checkpoint(path, fresh, fresh_opt)
         same = all(torch.equal(v, fresh.full_state_dict(rank0_only=False)[k]) for k, v in model.full_state_dict(rank0_only=False).items())
         found.append({"raised": raised, "tmp_left": left, "resumed": same})
+    # A load's steps likewise: an interrupt on rank 1 while it reads the metadata
+    real = checkpoint._read_metadata
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if dist.get_rank() == 1:
+            raise KeyboardInterrupt("stopped here")
+        return real(*args, **kwargs)
+
+    checkpoint._read_metadata = interrupted
+    fresh, fresh_opt = make(MLP)
+    try:
+        load_checkpoint(path, fresh, fresh_opt)
+        raised = "nothing"
+    except BaseException as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint._read_metadata = real
+    load_checkpoint(path, fresh, fresh_opt)  # the ranks are still in step
+    same = all(torch.equal(v, fresh.full_state_dict(rank0_only=False)[k]) for k, v in model.full_state_dict(rank0_only=False).items())
+    found.append({"raised": raised, "tmp_left": [], "resumed": same})
     return found
 
 
@@ -412,6 +432,10 @@ def test_a_save_stopped_on_one_rank_fails_on_every_rank_and_training_goes_on(tmp
     ]
     per_rank = run_on_ranks(2, on_ranks_one_rank_stopped_in_save, str(tmp_path / "ckpt"), cases, timeout=240)
     for r, found in enumerate(per_rank):
+        load = found.pop()
+        assert load["resumed"], load
+        assert load["raised"] == ("KeyboardInterrupt: stopped here" if r == 1 else
+                                  "RuntimeError: rank 1 was stopped (KeyboardInterrupt: stopped here); every rank stops here with it"), load
         for (point, rank, kind), got in zip(cases, found):
             assert got["tmp_left"] == [] and got["resumed"], (point, rank, r, got)
             if point == "writing":  # inside DCP's write: DCP gathers the failure itself

@@ -103,10 +103,7 @@ class FullyShardMethods:
             f"'{self._fs_name()}' is sharded by shardwrap, not by torch's fully_shard: it is an FSDPModule so that "
             f"code finding sharded modules with isinstance() reaches its public methods (unshard, reshard, "
             f"set_requires_gradient_sync, set_gradient_divide_factor, ...), but it has no fully_shard state for "
-            f"torch's FSDP internals (fully_shard.state(), _get_fsdp_state()) to read. Call the public methods instead; "
-            f"for torch's register_fsdp_forward_method(module, name) on a unit's module, call "
-            f"model.register_forward_method(name, module=module) on the ShardedModule (on the ShardedModule itself, "
-            f"torch's call is taken as that)"
+            f"torch's FSDP internals (fully_shard.state(), _get_fsdp_state()) to read. Call the public methods instead"
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
@@ -376,6 +373,13 @@ class _ShardedUnitModule(FSDPModule):
 _UNIT_CLASSES: dict[type, type] = {}
 
 
+def torchs_forward_method(value: Any) -> bool:
+    """Whether ``value`` is what torch's ``register_fsdp_forward_method(module, name)`` sets on
+    the module: its ``wrapped_method`` bound to it, which reads ``fully_shard``'s state at each call."""
+    code = getattr(getattr(value, "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "wrapped_method" and "distributed/fsdp/" in code.co_filename.replace("\\", "/")
+
+
 def _unit_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls`` with ``FSDPModule`` added as its last base, made once per class and named like
     it (code that reads ``type(m).__name__``, as Hugging Face's does, sees the user's name)."""
@@ -384,8 +388,17 @@ def _unit_class(cls: type[nn.Module]) -> type[nn.Module]:
     made = _UNIT_CLASSES.get(cls)
     if made is None:
         try:
+            def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+                # torch's register_fsdp_forward_method(unit_module, name): shardwrap's registration
+                host = getattr(self.__dict__.get("set_gradient_divide_factor"), "__self__", None)
+                if isinstance(host, _UnitModuleMethods) and torchs_forward_method(value):
+                    host._fs_root().register_forward_method(name, module=self)
+                    return
+                cls.__setattr__(self, name, value)  # the class's own, as before the swap
+
             made = type(cls.__name__, (cls, _ShardedUnitModule), {
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                "__setattr__": __setattr__,
             })
         except TypeError as exc:  # a metaclass or __init_subclass__ that refuses: the class stays
             warnings.warn(

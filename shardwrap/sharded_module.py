@@ -37,6 +37,7 @@ from shardwrap import state_dict as _sd
 from shardwrap.flat_param import FlatLayout, TensorParallel
 from shardwrap.fully_shard_api import METHOD_NAMES as FULLY_SHARD_METHOD_NAMES
 from shardwrap.fully_shard_api import FSDPModule, FullyShardMethods, install as install_fully_shard_methods
+from shardwrap.fully_shard_api import torchs_forward_method as _torchs_forward_method
 from shardwrap.mixed_precision import MixedPrecision
 from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, UnitPager, check_disk, disk_bytes
 from shardwrap.schedule import CollectiveSchedule
@@ -821,13 +822,6 @@ def _synced_generate(original: Callable[..., Any], world: int) -> Callable[..., 
         return original(*args, **kwargs)
 
     return generate
-
-
-def _torchs_forward_method(value: Any) -> bool:
-    """Whether ``value`` is what torch's ``register_fsdp_forward_method(module, name)`` sets on
-    the module: its ``wrapped_method`` bound to it, which reads ``fully_shard``'s state at each call."""
-    code = getattr(getattr(value, "__func__", None), "__code__", None)
-    return code is not None and code.co_name == "wrapped_method" and "distributed/fsdp/" in code.co_filename.replace("\\", "/")
 
 
 def _refuse_resize(name: str) -> Callable[..., NoReturn]:

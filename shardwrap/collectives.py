@@ -12,6 +12,7 @@ The tensor functions work on flat 1-D tensors over the process group of a 1-D me
 from __future__ import annotations
 
 import atexit
+import datetime
 import hashlib
 import os
 import pickle
@@ -133,6 +134,21 @@ def uses_pairwise(group: dist.ProcessGroup, device: torch.device, nbytes: int) -
 _MULTI_RANK_GLOO: "weakref.WeakKeyDictionary[dist.ProcessGroup, bool]" = weakref.WeakKeyDictionary()
 
 
+_TIMEOUTS: "weakref.WeakKeyDictionary[dist.ProcessGroup, datetime.timedelta | None]" = weakref.WeakKeyDictionary()
+
+
+def p2p_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The group's timeout, for the waits of its point-to-point works (gloo's collectives keep it
+    by themselves, but a receive's ``wait()`` with no argument waits for ever) and for the groups
+    shardwrap makes (``_GroupCache``). None where the group's CPU backend does not say."""
+    if group not in _TIMEOUTS:
+        try:
+            _TIMEOUTS[group] = group._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):
+            _TIMEOUTS[group] = None
+    return _TIMEOUTS[group]
+
+
 def _is_multi_rank_gloo(group: dist.ProcessGroup) -> bool:
     known = _MULTI_RANK_GLOO.get(group)
     if known is None:
@@ -163,7 +179,7 @@ def _gather_pieces(rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torc
     for dst, piece in zip(rows[me], pieces):
         if dst.data_ptr() != piece.data_ptr():
             dst.copy_(piece)
-    return PairwiseWork(works, sends=sends)
+    return PairwiseWork(works, sends=sends, timeout=p2p_timeout(group))
 
 
 def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup) -> "PairwiseWork":
@@ -190,7 +206,7 @@ def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[tor
             for part in parts[1:]:
                 out.add_(part)
 
-    return PairwiseWork(works, finish, sends=posted)
+    return PairwiseWork(works, finish, sends=posted, timeout=p2p_timeout(group))
 
 
 class PairwiseWork:
@@ -203,8 +219,11 @@ class PairwiseWork:
     waiting for the rest cannot wait on a peer that is blocked elsewhere (the bound on
     reduce-scatters in flight relies on it: design/notes/collective-schedule.md)."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None, *, sends: int = 0) -> None:
-        self._works, self._finish, self._sends = works, finish, sends
+    def __init__(
+        self, works: list[dist.Work], finish: Callable[[], None] | None = None, *, sends: int = 0,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self._works, self._finish, self._sends, self._timeout = works, finish, sends, timeout
         self.peers_started = False
         self._failure: BaseException | None = None
 
@@ -220,10 +239,10 @@ class PairwiseWork:
         finish, self._finish = self._finish, None
         try:
             for work in works[self._sends :]:
-                work.wait()
+                work.wait() if self._timeout is None else work.wait(self._timeout)
             self.peers_started = True
             for work in works[: self._sends]:
-                work.wait()
+                work.wait() if self._timeout is None else work.wait(self._timeout)
             if finish is not None:
                 finish()
         except Exception as exc:
@@ -411,16 +430,17 @@ def all_reduce_replicas(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Sum ``tensor`` in place over ranks (used for small scalars such as gradient norms)."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, what: str = "") -> None:
+    """Sum ``tensor`` in place over ranks (used for small scalars such as gradient norms);
+    ``what`` names it in a timeout or a lost peer's error (``wait``)."""
     _count_tensor("all_reduce", tensor)
-    dist.all_reduce(tensor, group=group)
+    wait(dist.all_reduce(tensor, group=group, async_op=True), what)
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, what: str = "") -> None:
     """Take the elementwise maximum of ``tensor`` in place over ranks."""
     _count_tensor("all_reduce", tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), what)
 
 
 def scatter(output: torch.Tensor, pieces: list[torch.Tensor] | None, group: dist.ProcessGroup) -> None:
@@ -530,6 +550,9 @@ class _GroupCache:
         cached = self._groups.get(ranks)
         group = cached() if cached is not None else None
         if group is None:
+            timeout = p2p_timeout(world)  # new_group's own default is 30 minutes, not the job's
+            if timeout is not None:
+                new_group_kwargs.setdefault("timeout", timeout)
             group = dist.new_group(list(ranks), **new_group_kwargs)
             made = group
             self._groups[ranks] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else (lambda: made)

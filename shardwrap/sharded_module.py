@@ -1838,14 +1838,14 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             local_max = torch.stack([g.abs().max().float() for g in counted]).max() if counted else torch.zeros((), device=device)
             stats = torch.stack([local_max, torch.isnan(local_max).float()]).to(device)
             nan_count = stats[1:].clone()
-            collectives.all_reduce_sum(nan_count, group)
+            collectives.all_reduce_sum(nan_count, group, "clip_grad_norm_'s all-reduce of the NaN count")
             peak = torch.nan_to_num(stats[:1], nan=0.0)
-            collectives.all_reduce_max(peak, group)
+            collectives.all_reduce_max(peak, group, "clip_grad_norm_'s all-reduce of the largest gradient")
             total = torch.where(nan_count > 0, torch.full_like(peak, float("nan")), peak)[0]
         else:
             local = sum((g.float().abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device))
             summed = local.reshape(1).clone()
-            collectives.all_reduce_sum(summed, group)
+            collectives.all_reduce_sum(summed, group, "clip_grad_norm_'s all-reduce of the norm")
             total = summed[0].pow(1.0 / norm_type)
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -597,6 +597,48 @@ def test_a_stalled_rank_gives_a_timeout_error_naming_the_unit_and_collective():
     assert "did not complete within the process group's timeout" in messages[0] and "init_process_group(timeout=" in messages[0], messages
 
 
+def on_ranks_stalled_in_backward(stage: int, where: str) -> str:
+    """Rank 1's backward raises in a block's backward hook (its loop catches it), or rank 1 skips
+    ``clip_grad_norm_``'s norm: rank 0 waits in the reduce-scatter (on the reduce group
+    shardwrap makes) or in the clip's all-reduce. The reduce group was made with ``new_group``'s
+    own 30-minute default instead of the job's timeout, and a pairwise receive's wait had none:
+    rank 0 hung far past the 2 s timeout; the clip's all-reduce timed out in gloo's raw words."""
+    import time
+
+    from shardwrap import ShardedModule, collectives
+
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block}, stage=stage)
+    if where == "backward" and dist.get_rank() == 1:
+        def fail(*args: object) -> None:
+            raise ValueError("planted in rank 1's backward")
+
+        model.module.blocks[1].register_full_backward_hook(fail)
+    started, real = time.monotonic(), collectives.all_reduce_sum
+    try:
+        model(torch.randn(2, 16)).sum().backward()
+        if where == "clip":
+            if dist.get_rank() == 1:
+                collectives.all_reduce_sum = lambda *a, **k: None  # rank 1 leaves out the norm's all-reduce
+            model.clip_grad_norm_(1.0)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    except RuntimeError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    finally:
+        collectives.all_reduce_sum = real
+    return f"{time.monotonic() - started:.0f}s {message}"
+
+
+@pytest.mark.parametrize("stage,where", [(2, "backward"), (3, "clip")])
+def test_a_rank_left_waiting_in_backward_or_clip_gets_a_named_timeout(stage, where):
+    first, second = run_on_ranks(2, on_ranks_stalled_in_backward, stage, where, timeout=60, pg_timeout=2, fresh=True)
+    waited, message = first.split(" ", 1)
+    want = "reduce-scatter of unit" if where == "backward" else "clip_grad_norm_'s all-reduce of the norm"
+    assert message.startswith("CollectiveTimeout") and want in message, (first, second)
+    assert int(waited[:-1]) < 30, first  # the job's timeout (2 s), not new_group's 30 minutes
+
+
 def on_ranks_dead_peer(path: str) -> None:
     """Rank 1 dies (its process ends, its connections close) after one step; rank 0 goes on and
     writes the error it gets to ``path``."""

@@ -293,7 +293,7 @@ def call_code(what: str) -> int:
 # The calls that start with such a header, by code: a peer names the call in its error
 CALLS = {call_code(name): name for name in (
     "full_state_dict", "load_full_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
-    "save_checkpoint", "load_checkpoint", "load_full", "clip_grad_norm_", "summon_full_params",
+    "save_checkpoint", "load_checkpoint", "load_full", "summon_full_params",
 )}
 
 

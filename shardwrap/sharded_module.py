@@ -1820,7 +1820,6 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 "clip_grad_norm_: gradients accumulated under no_sync() are not reduced yet; run the "
                 "last micro-batch's backward outside no_sync(), then clip"
             )
-        self.agree_on_call("clip_grad_norm_")
         norm_type = float(norm_type)
         # Hybrid: every replica holds the same gradient, so the shard axis sums it. With tensor
         # parallelism every rank holds a different part: sum over all, counting each part once.

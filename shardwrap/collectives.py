@@ -137,7 +137,7 @@ _MULTI_RANK_GLOO: "weakref.WeakKeyDictionary[dist.ProcessGroup, bool]" = weakref
 _TIMEOUTS: "weakref.WeakKeyDictionary[dist.ProcessGroup, datetime.timedelta | None]" = weakref.WeakKeyDictionary()
 
 
-def p2p_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     """The group's timeout, for the waits of its point-to-point works (gloo's collectives keep it
     by themselves, but a receive's ``wait()`` with no argument waits for ever) and for the groups
     shardwrap makes (``_GroupCache``). None where the group's CPU backend does not say."""
@@ -179,7 +179,7 @@ def _gather_pieces(rows: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torc
     for dst, piece in zip(rows[me], pieces):
         if dst.data_ptr() != piece.data_ptr():
             dst.copy_(piece)
-    return PairwiseWork(works, sends=sends, timeout=p2p_timeout(group))
+    return PairwiseWork(works, sends=sends, timeout=group_timeout(group))
 
 
 def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup) -> "PairwiseWork":
@@ -206,7 +206,7 @@ def _reduce_pieces(outputs: Sequence[torch.Tensor], sends: Sequence[Sequence[tor
             for part in parts[1:]:
                 out.add_(part)
 
-    return PairwiseWork(works, finish, sends=posted, timeout=p2p_timeout(group))
+    return PairwiseWork(works, finish, sends=posted, timeout=group_timeout(group))
 
 
 class PairwiseWork:
@@ -550,7 +550,7 @@ class _GroupCache:
         cached = self._groups.get(ranks)
         group = cached() if cached is not None else None
         if group is None:
-            timeout = p2p_timeout(world)  # new_group's own default is 30 minutes, not the job's
+            timeout = group_timeout(world)  # new_group's own default is 30 minutes, not the job's
             if timeout is not None:
                 new_group_kwargs.setdefault("timeout", timeout)
             group = dist.new_group(list(ranks), **new_group_kwargs)

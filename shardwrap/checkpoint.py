@@ -665,8 +665,9 @@ def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     if optimizer is not None:
         state_dict.agree_on_optimizer(model, optimizer, "save_full")
     state: dict[str, Any] = {"model": model.full_state_dict()}
-    if optimizer is not None:
-        state["optim"] = model.full_optim_state_dict(optimizer)
+    if optimizer is not None:  # as model.full_optim_state_dict, less the optimizer check made above
+        model.agree_on_call("full_optim_state_dict")
+        state["optim"] = state_dict.full_optim_state_dict(model, optimizer, True)
     if model.world_rank == 0:
         state[CHECKSUM_KEY] = content_digest(state)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"

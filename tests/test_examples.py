@@ -27,29 +27,29 @@ def losses(out: str) -> dict[int, str]:
 
 
 def test_train_gpt2_loss_goes_down_and_resumes_exactly(tmp_path):
-    """40 steps in one run against 20 steps, a checkpoint, and 20 more in a new run resumed from
-    it: the same losses at steps 21-40 and the same final model and optimizer, bit for bit. The
-    text is cut to 96 windows (6 steps of 2 ranks x 8 windows per epoch), so the run crosses
-    epochs and the checkpoint at step 20 is 2 batches into epoch 3."""
+    """20 steps in one run against 10 steps, a checkpoint, and 10 more in a new run resumed from
+    it: the same losses at steps 11-20 and the same final model and optimizer, bit for bit. The
+    text is cut to 96 windows (6 steps of 2 ranks x 8 windows per epoch), so both runs cross
+    epochs and the checkpoint at step 10 is 4 batches into epoch 1."""
     from shardwrap import export_to_torch_save
 
     data = tmp_path / "text.txt"
     with open(os.path.join(ROOT, "examples", "data", "corpus.txt"), encoding="utf-8") as f:
         data.write_bytes(f.read().encode("utf-8")[: 96 * 64 + 1])  # 96 windows of 64 bytes (+1 target)
-    common = ["--steps", "40", "--log-every", "1", "--save-every", "20", "--data", str(data), "--grad-accum", "2"]
+    common = ["--steps", "20", "--log-every", "1", "--save-every", "10", "--data", str(data), "--grad-accum", "2"]
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
     out = torchrun("examples/train_gpt2.py", *common, "--ckpt-dir", whole)
     first, last = map(float, re.search(r"done: loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 1.0, out
-    assert sorted(os.listdir(whole)) == ["step_000020", "step_000040"]
-    shutil.copytree(os.path.join(whole, "step_000020"), os.path.join(resumed, "step_000020"))
+    assert sorted(os.listdir(whole)) == ["step_000010", "step_000020"]
+    shutil.copytree(os.path.join(whole, "step_000010"), os.path.join(resumed, "step_000010"))
     out_resumed = torchrun("examples/train_gpt2.py", *common, "--ckpt-dir", resumed, "--resume", "auto")
-    assert "starting at step 20 (epoch 3, batch 2)" in out_resumed and "done: loss" in out_resumed, out_resumed
+    assert "starting at step 10 (epoch 1, batch 4)" in out_resumed and "done: loss" in out_resumed, out_resumed
 
-    assert sorted(losses(out)) == list(range(1, 41)) and sorted(losses(out_resumed)) == list(range(21, 41))
-    assert {s: v for s, v in losses(out).items() if s > 20} == losses(out_resumed), (out, out_resumed)
+    assert sorted(losses(out)) == list(range(1, 21)) and sorted(losses(out_resumed)) == list(range(11, 21))
+    assert {s: v for s, v in losses(out).items() if s > 10} == losses(out_resumed), (out, out_resumed)
     # The final model and optimizer state (AdamW moments and step), bit for bit.
-    a, b = (torch.load(export(os.path.join(run, "step_000040")), weights_only=True) for run in (whole, resumed))
+    a, b = (torch.load(export(os.path.join(run, "step_000020")), weights_only=True) for run in (whole, resumed))
     assert len(a["model"]) > 10 and len(a["optim"]["state"]) == len(a["model"]) - 1  # lm_head is tied
     assert identical(a, b)
 

@@ -43,7 +43,7 @@ from shardwrap.offload import DISK_STORES, Offload, OffloadStore, StateOnDisk, U
 from shardwrap.schedule import CollectiveSchedule
 from shardwrap.spare import Spares
 from shardwrap.stage import Stage
-from shardwrap.unit import DataState, GradState, Slot, TrainingState, Unit, local_of, outside_checkpoint_modes, outside_compile
+from shardwrap.unit import DataState, GradState, Slot, TrainingState, Unit, grad_data_replaced, local_of, outside_checkpoint_modes, outside_compile
 from shardwrap.wrap import PolicyLike, as_policy, has_forward
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
@@ -605,6 +605,8 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                 continue
             if unit._root._summoned is not None:
                 raise _summon.refusal(f"{type(optimizer).__name__}.step()")
+            if p.grad is not None:
+                _check_grad(optimizer, unit, p)
             ours = True
             if unit.store is not None:
                 roots.setdefault(id(unit._root), unit._root)
@@ -639,6 +641,31 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
         first = post[hooks[1].id]
         post.clear()
         post.update([(hooks[1].id, first), *rest])
+
+
+def _check_grad(optimizer: torch.optim.Optimizer, unit: Unit, p: torch.Tensor) -> None:
+    """Before a step: refuse a gradient the step could not use as the user meant it. A plain
+    tensor where the DTensor shard's gradient belongs (``p.grad = full_grad``) fails deep in the
+    step with the shard's sizes; a gradient whose ``.data`` was replaced (``p.grad.data = t``,
+    ``vector_to_parameters(vec, grads)``) would step the old values, silently (as under
+    ``fully_shard``): its local tensor never changed."""
+    grad = p.grad
+    assert grad is not None
+    replaced = isinstance(grad, DTensor) and grad_data_replaced(grad)
+    if isinstance(grad, DTensor) and not replaced:
+        return
+    name = next(s.fqn for q, s in zip(unit.sharded_params, unit.layout.slots) if q is p)
+    what = (
+        "had its .data replaced (p.grad.data = t; torch.nn.utils.vector_to_parameters(vec, grads) does it), "
+        "which leaves the gradient's shard as it was: the step would use the old values"
+        if replaced else f"is a plain {type(grad).__name__} of shape {list(grad.shape)} where the DTensor shard's gradient belongs"
+    )
+    raise RuntimeError(
+        f"rank {collectives.rank()}: shardwrap: {type(optimizer).__name__}.step(): the gradient of parameter "
+        f"'{name}' (unit '{unit.name}') {what}. Nothing was stepped. Change gradients in place (p.grad.mul_(s), "
+        f"p.grad.copy_(d) with d a DTensor placed like p.grad, under torch.no_grad()) or give a new DTensor "
+        f"(p.grad = p.grad * s; a full gradient: distribute_tensor(full_grad, p.device_mesh, p.placements))"
+    )
 
 
 # Each optimizer's own pair of step hooks that swap the local tensors in and out (weakly keyed: the

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from shardwrap import collectives
 from shardwrap.offload import OffloadStore
@@ -395,6 +396,31 @@ class _Reduction:
     replica_work: collectives.Work | None = None  # hybrid: the all-reduce over the replicate axis
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """The storage a tensor's own TensorImpl points at (a DTensor's is empty): ``t.data = x``
+    swaps it, the only trace that assignment leaves on a DTensor (whose values live in its
+    ``_local_tensor``, which the setter does not touch)."""
+    return t.untyped_storage()._cdata
+
+
+# The gradients shardwrap gives the parameters, with their wrappers' storages: ``p.grad.data = t``
+# (torch.nn.utils.vector_to_parameters on the gradients) leaves the DTensor's local values as they
+# were and only swaps that storage (refused before the step: ``grad_data_replaced``).
+_GIVEN_GRADS = WeakTensorKeyDictionary()
+
+
+def own_grad(grad: torch.Tensor) -> torch.Tensor:
+    """Record ``grad`` as one shardwrap gives a parameter, and return it."""
+    _GIVEN_GRADS[grad] = _storage_id(grad)
+    return grad
+
+
+def grad_data_replaced(grad: torch.Tensor) -> bool:
+    """Whether ``grad``, a gradient shardwrap gave, had its ``.data`` replaced since."""
+    known = _GIVEN_GRADS.get(grad)
+    return known is not None and _storage_id(grad) != known
+
+
 class Unit:
     """One unit: its flat shard, its unsharded buffer, its gradient, and its four hooks."""
 
@@ -566,6 +592,8 @@ class Unit:
             nn.Parameter(self.as_dtensor(view, slot), requires_grad=slot.requires_grad)
             for view, slot in zip(shard_views, layout.slots)
         ]
+        # Each wrapper's (storage-less) storage: ``p.data = d`` swaps it, whatever ``d`` is (_check_slots)
+        self._wrapper_storages = [_storage_id(p) for p in self.sharded_params]
         # The keys of shardwrap's own post-accumulate-grad hooks on them: run_grad_hooks runs the others.
         self._own_grad_hooks: set[int] = set()
         for param, slot in zip(self.sharded_params, layout.slots):
@@ -653,7 +681,7 @@ class Unit:
         if self.shard_in_unsharded and self._grad is GradState.REDUCED:
             for i in self._row_grads():  # they view the rows of the old leaf's gradient: own them
                 param = self.sharded_params[i]
-                param.grad = param.grad.clone()  # type: ignore[union-attr]
+                param.grad = own_grad(param.grad.clone())  # type: ignore[union-attr]
         end = unfrozen[-1] + 1
         self.layout.extend_trainable(end)
         self._specs.clear()  # keyed by id(slot): the slots are new objects
@@ -1533,19 +1561,8 @@ class Unit:
         for i, (param, slot) in enumerate(zip(self.sharded_params, self.layout.slots)):
             if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
                 self._refuse_resized(i)
-            if param.numel() and param.data_ptr() != param.storage_offset() * param.element_size():  # a real storage
-                # Undo it first (the wrapper gets a storage-less DTensor's metadata back; its local
-                # shard never changed), so the error leaves a model that can go on
-                param.data = self.as_dtensor(self._local_params[i], slot)
-                raise RuntimeError(
-                    f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' had its "
-                    f".data replaced after wrapping (p.data = tensor; torch.nn.utils.vector_to_parameters does "
-                    f"it). A sharded parameter's values live in its unit's shard, which that assignment does not "
-                    f"reach, so the new values were dropped (fully_shard drops them silently); the parameter "
-                    f"holds its old values again. Write the values in instead, on every rank: "
-                    f"model.load_state_dict({{'{slot.fqn}': full_tensor}}, strict=False), or under "
-                    f"torch.no_grad() p.copy_(distribute_tensor(full_tensor, p.device_mesh, p.placements))."
-                )
+            if _storage_id(param) != self._wrapper_storages[i]:
+                self._refuse_replaced_data(i)
         for param, slots, slot in zip(self.sharded_params, self.slots, self.layout.slots):
             for module, attr in slots:
                 held = module._parameters.get(attr)
@@ -1577,10 +1594,31 @@ class Unit:
 
     def check_local_shapes(self) -> None:
         """Between steps (before a state dict or a save): refuse a parameter whose local shard an
-        ``out=`` write resized (``_refuse_resized``)."""
+        ``out=`` write resized (``_refuse_resized``), or whose ``.data`` was replaced."""
         for i, param in enumerate(self.sharded_params):
             if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
                 self._refuse_resized(i)
+            if _storage_id(param) != self._wrapper_storages[i]:
+                self._refuse_replaced_data(i)
+
+    def _refuse_replaced_data(self, i: int) -> None:
+        """Parameter ``i``'s ``.data`` was replaced (``p.data = t``: torch.nn.utils.vector_to_parameters,
+        ``p.data = p.data.clamp(...)``). The setter swaps the wrapper's storage and leaves the DTensor's
+        local shard as it was, so the new values never reached the shard, and with a DTensor on the
+        right nothing else shows it (design/notes/after-wrapping.md). Undo it first (the wrapper gets
+        a storage-less DTensor's metadata back), so the error leaves a model that can go on."""
+        param, slot = self.sharded_params[i], self.layout.slots[i]
+        param.data = self.as_dtensor(self._local_params[i], slot)
+        self._wrapper_storages[i] = _storage_id(param)
+        raise RuntimeError(
+            f"rank {collectives.rank()}: shardwrap: parameter '{slot.fqn}' of unit '{self.name}' had its "
+            f".data replaced after wrapping (p.data = t; torch.nn.utils.vector_to_parameters does it). A "
+            f"sharded parameter's values live in its unit's shard, which that assignment does not reach, so "
+            f"the new values were dropped (fully_shard drops them silently); the parameter holds its old "
+            f"values again. Write into the parameter instead, on every rank: under torch.no_grad() "
+            f"p.copy_(d) for a DTensor d of p's shape and placements, p.copy_(distribute_tensor(full_tensor, "
+            f"p.device_mesh, p.placements)), or model.load_state_dict({{'{slot.fqn}': full_tensor}}, strict=False)."
+        )
 
     def _refuse_resized(self, i: int) -> None:
         """Parameter ``i``'s local tensor no longer has its shard's shape: an op with ``out=`` on
@@ -1662,7 +1700,7 @@ class Unit:
             return
         for i in self._row_grads():
             param = self.sharded_params[i]
-            param.grad = param.grad.clone()  # type: ignore[union-attr]
+            param.grad = own_grad(param.grad.clone())  # type: ignore[union-attr]
         leaf_grad = self.unsharded_trainable.grad
         if leaf_grad is not None:
             leaf_grad.zero_()
@@ -1893,8 +1931,8 @@ class Unit:
                 local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad
                 rows[i].copy_(view)
-                param.grad = self.as_dtensor(rows[i], slots[i])
+                param.grad = own_grad(self.as_dtensor(rows[i], slots[i]))
                 self._fresh_grads.append(i)
             else:
-                param.grad = self.as_dtensor(view, slots[i])
+                param.grad = own_grad(self.as_dtensor(view, slots[i]))
                 self._fresh_grads.append(i)

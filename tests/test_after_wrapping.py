@@ -356,6 +356,13 @@ def on_ranks_replaced_parameters(stage: int) -> dict:
     down.data = torch.zeros_like(down.full_tensor())  # what torch.nn.utils.vector_to_parameters does
     out["data_swapped"] = refused(lambda: model(x))
     out["after_data"] = torch.equal(model(x).detach(), out["before"])  # undone: the model goes on
+    with torch.no_grad():
+        down.data = down.data.clamp(-0.01, 0.01)  # a DTensor on the right: DTensor drops it on the spot
+    out["dtensor_data"] = refused(lambda: model(x))
+    out["after_dtensor_data"] = torch.equal(model(x).detach(), out["before"])
+    down.data = down.data * 0.5  # caught between steps too, before a state dict reads the old values
+    out["between_steps"] = refused(lambda: model.full_state_dict())
+    out["after_between_steps"] = torch.equal(model(x).detach(), out["before"])
     return out
 
 
@@ -366,10 +373,87 @@ def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stag
     # parameters is no replacement and works. So for p.data = t (vector_to_parameters), which
     # the error undoes so that the model goes on.
     for r in run_on_ranks(WORLD, on_ranks_replaced_parameters, stage):
-        for call, name in (("assigned", "blocks.0.up.weight"), ("functional_call", "inp.weight"), ("data_swapped", "blocks.1.down.weight")):
+        for call, name in (
+            ("assigned", "blocks.0.up.weight"), ("functional_call", "inp.weight"), ("data_swapped", "blocks.1.down.weight"),
+            ("dtensor_data", "blocks.1.down.weight"), ("between_steps", "blocks.1.down.weight"),
+        ):
             assert f"'{name}'" in r[call] and "replaced after wrapping" in r[call], r[call]
-        assert "p.data = tensor" in r["data_swapped"], r["data_swapped"]
-        assert r["own_params"] and r["after"] and r["after_data"], r
+        for call in ("data_swapped", "dtensor_data", "between_steps"):
+            assert "p.data = t" in r[call], r[call]
+        assert r["own_params"] and r["after"] and r["after_data"] and r["after_dtensor_data"] and r["after_between_steps"], r
+
+
+# ---- gradients written through .data ----------------------------------------------------------
+
+
+def grad_batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 6, generator=g)  # 6 outputs: every dim 0 splits in 2
+    return (x, y) if rank is None else (x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+
+
+def train_halving_grads(model: nn.Module, rank: int | None, optim: str) -> dict[str, str]:
+    """Gradient surgery after each backward: every gradient halved. The wrapped model first tries
+    torch.nn.utils.vector_to_parameters on the gradients (PCGrad's pattern) and a plain full
+    gradient; each must be refused with nothing stepped. Then it halves them in place."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(params, lr=0.01)
+    refusals: dict[str, str] = {}
+    for step in range(STEPS):
+        x, y = grad_batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        if rank is not None and step == 1:
+            grads = [p.grad for p in params]
+            vector_to_parameters(parameters_to_vector(grads) * 0.5, grads)  # the .data of each gradient
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                refusals["vector_to_parameters"] = str(exc)
+            for p in params:  # what the user does next: a fresh gradient in its place
+                p.grad = p.grad * 1.0
+            kept = params[0].grad
+            params[0].grad = kept.full_tensor()
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                refusals["plain"] = str(exc)
+            params[0].grad = kept
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(0.5)
+        opt.step()
+        opt.zero_grad()
+    return refusals
+
+
+def on_ranks_halving_grads(stage: int, optim: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2, 6), auto_wrap_policy={models.Block}, stage=stage)
+    refusals = train_halving_grads(model, dist.get_rank(), optim)
+    return refusals, model.full_state_dict()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_gradient_written_through_data_is_refused_before_the_step(stage, optim):
+    # p.grad.data = t leaves the DTensor gradient's local values as they were: the step used the
+    # old gradients, silently (fully_shard too). Both that and a plain full gradient are refused
+    # before anything steps, so the run still ends where one process ends.
+    torch.manual_seed(0)
+    reference = models.mlp(16, 2, 6)
+    train_halving_grads(reference, None, optim)
+    results = run_on_ranks(WORLD, on_ranks_halving_grads, stage, optim)
+    for refusals, _ in results:
+        assert "'inp.weight'" in refusals["vector_to_parameters"] and "had its .data replaced" in refusals["vector_to_parameters"], refusals
+        assert "'inp.weight'" in refusals["plain"] and "is a plain Tensor of shape [16, 16]" in refusals["plain"], refusals
+    full = results[0][1]
+    assert sorted(full) == sorted(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # ---- weight clipping in place (a WGAN critic) -------------------------------------------------
@@ -662,3 +746,61 @@ def test_a_write_between_two_forwards_that_share_one_backward_reaches_the_second
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"loss {i}: {m}")
         for name, value in reference["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ---- an average of the weights (EMA, SWA) ---------------------------------------------------------
+
+
+def train_with_average(model: nn.Module, average: nn.Module, rank: int | None, optim: str) -> list[torch.Tensor]:
+    """Train, update the average after each step, and evaluate the average on a held-out batch."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.01)
+    held_out = batch(99)[0]
+    outputs = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        average.update_parameters(model)
+        with torch.no_grad():
+            outputs.append(average(held_out))
+    return outputs
+
+
+def averaged(kind: str) -> nn.Module:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    return AveragedModel(models.mlp(16, 2), multi_avg_fn=get_ema_multi_avg_fn(0.9) if kind == "ema" else None)
+
+
+def on_ranks_average(stage: int, kind: str, optim: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(16, 2), auto_wrap_policy={models.Block}, stage=stage)
+    average = ShardedModule(averaged(kind), auto_wrap_policy={models.Block}, stage=stage)  # wrapped the same way
+    outputs = train_with_average(model, average, dist.get_rank(), optim)
+    return outputs, average.full_state_dict()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_averaged_model_wrapped_like_the_model_averages_like_one_process(stage, kind, optim):
+    # README: AveragedModel(model.module) is refused (a deep copy of sharded modules); an
+    # AveragedModel of a fresh copy, wrapped with the same policy and stage, pairs its shards with
+    # the model's, and its update_parameters (torch._foreach ops on the DTensors) and forward
+    # give one process's average
+    torch.manual_seed(0)
+    reference = models.mlp(16, 2)
+    ref_average = averaged(kind)
+    expected = train_with_average(reference, ref_average, None, optim)
+    results = run_on_ranks(WORLD, on_ranks_average, stage, kind, optim)
+    for outputs, _ in results:
+        for got, want in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    full = results[0][1]
+    assert sorted(full) == sorted(ref_average.state_dict())
+    for name, value in ref_average.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -1945,7 +1945,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         for unit in self._units:  # full views an unshard() left: what follows walks the slots
             if unit.showing_full:
                 unit.show_sharded_params()
-            unit.check_local_shapes()
+            unit.check_wrappers()
 
     def agree_on_call(self, what: str) -> None:
         """Before the collectives of a between-steps call that every rank must make (a full state

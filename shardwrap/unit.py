@@ -1558,11 +1558,7 @@ class Unit:
         would gather and compute with its own shard and silently ignore it, so refuse instead.
         The same for a parameter whose ``.data`` was replaced (``p.data = t``): a DTensor holds
         no storage of its own, and that assignment gives it one that nothing reads."""
-        for i, (param, slot) in enumerate(zip(self.sharded_params, self.layout.slots)):
-            if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
-                self._refuse_resized(i)
-            if _storage_id(param) != self._wrapper_storages[i]:
-                self._refuse_replaced_data(i)
+        self.check_wrappers()
         for param, slots, slot in zip(self.sharded_params, self.slots, self.layout.slots):
             for module, attr in slots:
                 held = module._parameters.get(attr)
@@ -1592,9 +1588,10 @@ class Unit:
                     f"(load_state_dict, or p.copy_ under torch.no_grad())."
                 )
 
-    def check_local_shapes(self) -> None:
-        """Between steps (before a state dict or a save): refuse a parameter whose local shard an
-        ``out=`` write resized (``_refuse_resized``), or whose ``.data`` was replaced."""
+    def check_wrappers(self) -> None:
+        """Every forward (``_check_slots``) and between steps (before a state dict or a save): refuse
+        a parameter whose local shard an ``out=`` write resized (``_refuse_resized``), or whose
+        ``.data`` was replaced (``_refuse_replaced_data``)."""
         for i, param in enumerate(self.sharded_params):
             if cast(Any, param)._local_tensor.shape != self._local_params[i].shape:
                 self._refuse_resized(i)

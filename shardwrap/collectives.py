@@ -16,6 +16,8 @@ import datetime
 import hashlib
 import os
 import pickle
+import signal
+import threading
 import time
 import weakref
 from collections import Counter
@@ -283,6 +285,24 @@ def _exchange(
 # instead of pairing a small exchange with a data all-gather (design/notes/rank-agreement.md).
 HEADER_FORWARD, HEADER_BACKWARD, HEADER_COUNTS, HEADER_END, HEADER_CALL = 1, 2, 3, 4, 5
 
+# Bits 48 to 62 of every header's value carry the sender's history (``history``): how many
+# optimizer steps wrote the model, and how many failed passes it dropped. Two ranks can run the
+# same units in the same order and still be a step apart (a step skipped or raised on one rank, a
+# failed no_sync micro-batch), which phase and unit alone never show (design/notes/rank-agreement.md).
+HISTORY_SHIFT, STEPS_MODULO, DROPS_MODULO = 48, 1 << 10, 1 << 5
+LOW_BITS = (1 << HISTORY_SHIFT) - 1
+
+
+def history(steps: int, drops: int) -> int:
+    """A model's history as the 15 bits a header carries: steps modulo 1024, drops modulo 32."""
+    return (steps % STEPS_MODULO) | (drops % DROPS_MODULO) << 10
+
+
+def split_history(value: int) -> tuple[int, int, int]:
+    """A header value as (its own low 48 bits, steps, drops)."""
+    h = value >> HISTORY_SHIFT
+    return value & LOW_BITS, h % STEPS_MODULO, h >> 10
+
 
 def call_code(what: str) -> int:
     """The code that stands for the between-steps call ``what`` in a header (HEADER_CALL's
@@ -303,17 +323,46 @@ def digest48(indices: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=6).digest(), "little")
 
 
-def exchange_counts(count: int, group: dist.ProcessGroup, digest: int = 0) -> tuple[dist.Work | None, torch.Tensor]:
-    """Start gathering ``[HEADER_COUNTS + (digest << 8), count]`` from every rank (CPU groups);
-    returns the work and the ``(W, 2)`` output. ``digest``: 48 bits that every rank must agree
-    on (a backward's first exchange: its reduce-scatter order). Counted apart from the data
-    all-gathers, under ``"counts"``.
+def exchange_counts(count: int, group: dist.ProcessGroup, digest: int = 0, past: int = 0) -> tuple[dist.Work | None, torch.Tensor]:
+    """Start gathering ``[HEADER_COUNTS + (digest << 8), count + (past << 48)]`` from every rank
+    (CPU groups); returns the work and the ``(W, 2)`` output. ``digest``: 48 bits that every rank
+    must agree on (a backward's first exchange: its reduce-scatter order); ``past``: the model's
+    ``history``. Counted apart from the data all-gathers, under ``"counts"``.
     """
-    mine = torch.tensor([HEADER_COUNTS + (digest << 8), count], dtype=torch.int64)
+    mine = torch.tensor([HEADER_COUNTS + (digest << 8), count | past << HISTORY_SHIFT], dtype=torch.int64)
     _count_tensor("counts", mine)
     out = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64)
     work = _all_gather_single(out.view(-1), mine, group=group, async_op=True)
     return work, out
+
+
+@contextmanager
+def interrupt_held() -> Iterator[None]:
+    """Hold back a Ctrl-C (SIGINT) that arrives inside: the handler that was installed runs on
+    leaving, so the ``KeyboardInterrupt`` comes after the body, not in the middle of it.
+
+    Around a header exchange and the data collective it announces: the header's wait is where a
+    rank spends its idle time, and Python raises a signal that arrived during a blocking call
+    right after it returns. Raised there, the peers have posted the data gather the header
+    promised and this rank never does; its next collective (a checkpoint saved on the way out)
+    then meets their data, and gloo aborts the process (SIGABRT). Nothing is delayed that would
+    not be anyway: the collective's wait cannot be interrupted, and the posts after it return at
+    once (design/notes/rank-agreement.md, "A Ctrl-C between a header and its gather"). Only on the
+    main thread (the only one Python delivers signals to) and under a Python handler; a handler
+    of SIG_IGN or SIG_DFL is left alone.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    frames: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: frames.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if frames:
+            previous(signal.SIGINT, frames[0])
 
 
 def carrier_device(group: dist.ProcessGroup) -> torch.device:

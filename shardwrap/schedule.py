@@ -46,8 +46,9 @@ OUT_OF_STEP_HINT = (
 def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> str:
     """What a peer's small exchange says it is, in words. A gather header's value is the unit's
     index plus, from bit 32 up, how many gathers that rank started together (stage 2's forward),
-    and its kind carries, from bit 8 up, a digest of those gathers' units."""
-    base = kind & 0xFF
+    and its kind carries, from bit 8 up, a digest of those gathers' units. Bits 48 up of every
+    value are the sender's history, which ``history_hint`` reads."""
+    base, value = kind & 0xFF, value & collectives.LOW_BITS
     if base in (collectives.HEADER_FORWARD, collectives.HEADER_BACKWARD):
         index, together = value & 0xFFFFFFFF, value >> 32
         name = unit_names[index] if unit_names is not None and index < len(unit_names) else f"#{index}"
@@ -61,6 +62,29 @@ def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> s
     if base == collectives.HEADER_CALL:
         return f"{collectives.CALLS.get(value, 'a call')}, between steps"
     return f"an unknown exchange ({kind}, {value})"
+
+
+def history_hint(values: Sequence[int]) -> str:
+    """Where the headers' values (one per rank) carry different histories, a sentence saying how
+    the ranks' pasts differ and what to do; else ``""``."""
+    pasts = [collectives.split_history(v)[1:] for v in values]
+    if len(set(pasts)) == 1:
+        return ""
+    if len({steps for steps, _ in pasts}) > 1:
+        seen = ", ".join(f"rank {r}: {steps}" for r, (steps, _) in enumerate(pasts))
+        return (
+            f" The ranks have stepped this model a different number of times ({seen}; counted modulo "
+            f"{collectives.STEPS_MODULO}): an optimizer.step() that was skipped, or that raised, on some ranks "
+            f"only, left their shards behind the others'. Decide to skip a step on every rank alike (all-reduce "
+            f"the flag), and restart from the last checkpoint."
+        )
+    seen = ", ".join(f"rank {r}: {drops}" for r, (_, drops) in enumerate(pasts))
+    return (
+        f" Some ranks dropped a forward or backward that raised, and the others did not ({seen}; counted "
+        f"modulo {collectives.DROPS_MODULO}): a failed pass drops every gradient pending on its rank, those of "
+        f"the no_sync micro-batches before it too, so the ranks' gradients no longer cover the same batches. "
+        f"Catch an error on every rank alike (all-reduce a flag), and restart from the last checkpoint."
+    )
 
 
 class CollectiveSchedule:
@@ -94,6 +118,7 @@ class CollectiveSchedule:
         # The first "ranks disagree" error: from then on the module issues no collective
         # (ShardedModule.refuse_out_of_step; design/notes/rank-agreement.md, "After ranks disagreed")
         self.fell_out: str | None = None
+        self.history = 0  # the model's ``collectives.history``, which every header carries (ShardedModule.note_history)
 
     def out_of_step(self, message: str) -> RuntimeError:
         """The ranks were found to disagree on the next collective: remember the first such error
@@ -242,7 +267,7 @@ class CollectiveSchedule:
             order = [u.index for u in self._reduce] + [0xFFFFFFFF] + self._accumulated
             digest = collectives.digest48(order) if self._counts_issued == 0 else 0
             self._counts_issued += 1
-            self._exchanges.append(collectives.exchange_counts(self._started, self.group, digest))
+            self._exchanges.append(collectives.exchange_counts(self._started, self.group, digest, self.history))
 
     def _wait_exchange(self, work: collectives.Work | None, counts: torch.Tensor) -> None:
         """Wait for a count exchange; raise if a peer sent something else in its place (its
@@ -253,7 +278,13 @@ class CollectiveSchedule:
         if any(k & 0xFF != collectives.HEADER_COUNTS for k in kinds):
             names = list(self._reduce[0].unit_names) if self._reduce else None
             seen = ", ".join(f"rank {r}: {header_text(k, int(v), names)}" for r, (k, v) in enumerate(counts.tolist()))
-            raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
+            raise self.out_of_step(
+                f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}).{history_hint(counts[:, 1].tolist())} "
+                f"{OUT_OF_STEP_HINT}"
+            )
+        hint = history_hint(counts[:, 1].tolist())
+        if hint:
+            raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree at a reduce-scatter count exchange in backward.{hint}")
         if len(set(kinds)) > 1:  # the first exchange's digests of the reduce-scatter order differ
             group = self.group
             assert group is not None  # counts are exchanged only on a group
@@ -315,7 +346,7 @@ class CollectiveSchedule:
         ):  # the first exchange is waited for: no reduce-scatter may start before the order is agreed
             work, counts = self._exchanges.popleft()
             self._wait_exchange(work, counts)
-            self._started_everywhere = max(self._started_everywhere, int(counts[:, 1].min()))
+            self._started_everywhere = max(self._started_everywhere, int((counts[:, 1] & collectives.LOW_BITS).min()))
 
     def _started_by_everyone(self, position: int) -> bool:
         """Whether every rank has started the reduce-scatter at ``position``, waiting for the count
@@ -324,7 +355,7 @@ class CollectiveSchedule:
         while self._started_everywhere <= position and self._exchanges:
             work, counts = self._exchanges.popleft()
             self._wait_exchange(work, counts)
-            self._started_everywhere = max(self._started_everywhere, int(counts[:, 1].min()))
+            self._started_everywhere = max(self._started_everywhere, int((counts[:, 1] & collectives.LOW_BITS).min()))
         return self._started_everywhere > position
 
     # ---- end of backward ----------------------------------------------------------------------

@@ -789,6 +789,22 @@ def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tenso
             state[key] = placed
 
 
+def _count_step(optimizer: torch.optim.Optimizer) -> None:
+    """A step that finished counts once for each model it wrote: one of whose parameters it held
+    with a gradient (a step that raised never gets here, and does not count)."""
+    roots: dict[int, ShardedModule] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                ref = _SHARDED_PARAMS.get(p)
+                unit = ref() if ref is not None else None
+                if unit is not None:
+                    roots.setdefault(id(unit._root), unit._root)
+    for root in roots.values():
+        root._optimizer_steps += 1
+        root.note_history()
+
+
 def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step post-hook: every unit whose parameters the optimizer holds counts as written.
 
@@ -797,7 +813,9 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     write DTensor parameters without bumping any counter (torch 2.13). Without this, a stage-1
     model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
-    if optimizer in _LEFT or local_step.leave(optimizer):  # the step ran on the local tensors (never with disk offload)
+    local = optimizer in _LEFT or local_step.leave(optimizer)  # the step ran on the local tensors (never with disk offload)
+    _count_step(optimizer)  # (the groups hold the DTensor parameters again)
+    if local:
         _LEFT.discard(optimizer)
         return
     _exit_step_modes(optimizer)
@@ -1020,6 +1038,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         self._expect_backward = False  # a unit's outputs require grad: a backward will follow
         self.outer_task = -1  # the autograd graph task of the running backward (begin_backward)
         self._steps_done = 0  # backward passes finished (error messages name the step)
+        # Optimizer steps that wrote this model's parameters, and passes dropped by _recover: every
+        # header carries both (collectives.history), so ranks a step apart raise (rank-agreement.md)
+        self._optimizer_steps = self._dropped_passes = 0
         self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
         self._sync = True  # False inside no_sync()
         self.offload = offload or Offload()
@@ -1612,6 +1633,8 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             failure = failure or exc
         self._expect_backward = False
         self._state = TrainingState.IDLE
+        self._dropped_passes += 1
+        self.note_history()
         if fatal:
             self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self._steps_done + 1}, {fatal[0]}")
             self.refuse_out_of_step("this forward")
@@ -1810,15 +1833,16 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         as every header. ``unit``: any unit, for its group and names."""
         if unit.device.type != "cpu" or unit.world_size == 1:
             return
-        mine = [collectives.HEADER_END, 0]
+        mine = [collectives.HEADER_END, self.schedule.history << collectives.HISTORY_SHIFT]
         rows = collectives.all_gather_ints(mine, unit.group, what="the end of a backward", kind="headers")
         if any(row != mine for row in rows):
-            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text, history_hint
 
             seen = ", ".join(f"rank {r}: {header_text(k, v, list(unit.unit_names))}" for r, (k, v) in enumerate(rows))
+            hint = history_hint([v for _, v in rows]) or f" {RECOMPUTED_ON_SOME_RANKS}"
             raise self.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the end of backward "
-                f"{self._steps_done + 1} ({seen}). {RECOMPUTED_ON_SOME_RANKS} {OUT_OF_STEP_HINT}"
+                f"{self._steps_done + 1} ({seen}).{hint} {OUT_OF_STEP_HINT}"
             )
 
     # ---- gradient accumulation and clipping ---------------------------------------------------
@@ -1947,6 +1971,10 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 unit.show_sharded_params()
             unit.check_wrappers()
 
+    def note_history(self) -> None:
+        """Hand the schedule this model's history, which its headers carry from now on."""
+        self.schedule.history = collectives.history(self._optimizer_steps, self._dropped_passes)
+
     def agree_on_call(self, what: str) -> None:
         """Before the collectives of a between-steps call that every rank must make (a full state
         dict, a checkpoint), one header exchange on the all-gather group, the size of every other
@@ -1958,18 +1986,18 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         group = self.schedule.group
         if group is None or collectives.group_size(group) == 1:
             return
-        from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+        from shardwrap.schedule import OUT_OF_STEP_HINT, header_text, history_hint
 
         assert collectives.call_code(what) in collectives.CALLS, what
-        mine = [collectives.HEADER_CALL, collectives.call_code(what)]
+        mine = [collectives.HEADER_CALL, collectives.call_code(what) | self.schedule.history << collectives.HISTORY_SHIFT]
         rows = collectives.all_gather_ints(mine, group, what=f"the start of {what}", kind="headers")
         if any(row != mine for row in rows):
             names = list(self._units[0].unit_names) if self._units else None
             seen = ", ".join(f"rank {r}: {header_text(k, v, names)}" for r, (k, v) in enumerate(rows))
             raise self.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the start of "
-                f"{what} ({seen}). {what} must be called on every rank at the same point, between steps. "
-                f"{OUT_OF_STEP_HINT}"
+                f"{what} ({seen}).{history_hint([v for _, v in rows])} {what} must be called on every rank at the "
+                f"same point, between steps. {OUT_OF_STEP_HINT}"
             )
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]

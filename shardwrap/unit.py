@@ -986,10 +986,11 @@ class Unit:
                 and torch.is_grad_enabled() and module.training):
             # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
-            if rest:  # one header for them all, before any data: one behind a gather's data would wait for it
-                rest[0].check_in(following=rest)
-            for unit in rest:
-                unit.unshard(async_op=True, checked_in=True)
+            with collectives.interrupt_held():  # every gather the header announced is posted
+                if rest:  # one header for them all, before any data: one behind a gather's data would wait for it
+                    rest[0].check_in(following=rest)
+                for unit in rest:
+                    unit.unshard(async_op=True, checked_in=True)
         if self.forward_prefetch_units is not None:  # set_modules_to_forward_prefetch
             for listed in self.forward_prefetch_units:
                 if listed.needs_gather and listed not in schedule.prefetched:
@@ -1256,10 +1257,18 @@ class Unit:
             return
         if state is DataState.UNSHARDED:
             return
-        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
-        if not layout.slots:
+        if not self.layout.slots:
             self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
             return
+        with collectives.interrupt_held():  # a Ctrl-C in the header's wait: the gather it announced is posted first
+            self._start_gather(checked_in)
+        if not async_op:
+            self._finish_gather()
+
+    def _start_gather(self, checked_in: bool) -> None:
+        """The header exchange (unless ``checked_in``), then the data all-gather posted:
+        SHARDED or UNSHARDED_STALE -> GATHERING."""
+        layout, W, S = self.layout, self.world_size, self.layout.shard_numel
         if not checked_in:
             self.check_in()
         if self.store is not None and self.store.kind == "disk":
@@ -1305,8 +1314,6 @@ class Unit:
             work = collectives.all_gather(gathered, send, self.group, async_op=True)
             self._gather = _Gather(work, gathered, send, version_before=version_before, shard_version=shard_version)
         self._data = DataState.GATHERING
-        if not async_op:
-            self._finish_gather()
 
     def _grad_to_host(self, reduced: torch.Tensor) -> torch.Tensor:
         """Offload: the averaged gradient shard in host memory, from the reduced one.
@@ -1362,22 +1369,24 @@ class Unit:
         if self._root.in_backward():  # a peer that left this backward out may have said so already
             self._root.schedule.check_landed_exchanges()
         kind = collectives.HEADER_BACKWARD if self._root.in_backward() else collectives.HEADER_FORWARD
-        mine = [kind + (collectives.digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32)]
+        past = self._root.schedule.history << collectives.HISTORY_SHIFT
+        mine = [kind + (collectives.digest48(listed) << 8 if listed else 0), self.index + (len(listed) << 32) | past]
         rows = collectives.all_gather_ints(mine, self.group, what=self._where("all-gather"), kind="headers")
         if any(row != mine for row in rows):
-            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text
+            from shardwrap.schedule import OUT_OF_STEP_HINT, header_text, history_hint
 
             texts = [header_text(k, v, list(self.unit_names)) for k, v in rows]
             seen = ", ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
-            if len(set(texts)) == 1:
+            if len(set(texts)) == 1 and len({k for k, _ in rows}) > 1:
                 seen += "; the same first unit and number on every rank, but other units after it"
+            seen += ")." + history_hint([v for _, v in rows])  # a step apart: the same unit, another past
             if self._root.in_backward() and (self.recomputable or any(k & 0xFF == collectives.HEADER_END for k, _ in rows)):
                 from shardwrap.sharded_module import RECOMPUTED_ON_SOME_RANKS
 
-                seen += f". {RECOMPUTED_ON_SOME_RANKS}"
+                seen += f" {RECOMPUTED_ON_SOME_RANKS}"
             raise self._root.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at {self._where('all-gather')} "
-                f"({seen}). {OUT_OF_STEP_HINT}"
+                f"({seen} {OUT_OF_STEP_HINT}"
             )
 
     def _finish_gather(self) -> None:

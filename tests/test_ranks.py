@@ -13,7 +13,7 @@ import models
 from torch.distributed.tensor import DTensor
 
 from harness import run_on_ranks
-from parity import Case, assert_close_params, build_model, build_optimizer, global_batch
+from parity import Case, assert_close_params, build_model, build_optimizer, expected_chunk, global_batch
 
 
 # ---- part 4: every rank wraps the same model ------------------------------------------------
@@ -421,6 +421,147 @@ def test_one_extra_forward_on_one_rank_gives_the_answer_or_a_named_error(stage):
     expected = train_reference_steps(EXTRA)
     for name, value in expected.items():
         assert_close_params(results[0]["full"][name], value, "sgd", EXTRA.steps, name)
+
+
+def on_ranks_interrupt_after_a_header(stage: int, directory: str) -> dict:
+    """Rank 1 gets a Ctrl-C while it waits in the header of its second gather in the second
+    step's forward (Python raises a signal that came during a blocking call when the call
+    returns). It tries to save a checkpoint, then goes on training (a notebook's interrupted
+    cell run again); rank 0 trains on throughout. Returns what each rank saw."""
+    import signal
+
+    from shardwrap import ShardedModule, collectives, save_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(EXTRA), auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(EXTRA, model)
+    real, armed, seen = collectives.all_gather_ints, [False], [0]
+
+    def header_then_ctrl_c(values, group, **kwargs):  # type: ignore[no-untyped-def]
+        rows = real(values, group, **kwargs)
+        if armed[0] and rank == 1 and kwargs.get("kind") == "headers" and values[0] & 0xFF == collectives.HEADER_FORWARD:
+            seen[0] += 1
+            if seen[0] == 2:
+                signal.raise_signal(signal.SIGINT)  # as if it came during the wait
+        return rows
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    collectives.all_gather_ints = header_then_ctrl_c
+    out: dict = {"interrupted": None, "error": None}
+    try:
+        for step in range(EXTRA.steps):
+            armed[0] = step == 1
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(EXTRA, step).items()}
+            try:
+                ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+            except KeyboardInterrupt:
+                try:
+                    save_checkpoint(directory, model, opt)
+                except RuntimeError as exc:  # refused before any collective: the step is unfinished
+                    out["interrupted"] = str(exc)
+                continue
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    finally:
+        collectives.all_gather_ints = real
+        signal.signal(signal.SIGINT, previous)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_ctrl_c_between_a_header_and_its_gather_is_raised_after_the_gather_is_posted(stage, tmp_path):
+    """A Ctrl-C that lands in a header's wait used to raise before the data gather the header
+    announced was posted: the peer waited out the group's timeout for it, and the collectives
+    after it paired wrongly (gloo aborts the process where their sizes differ: SIGABRT). The
+    interrupt now comes after the post: a save right after it is refused before any collective,
+    and the next forward's header meets the peer's, and both ranks name the difference."""
+    results = run_on_ranks(2, on_ranks_interrupt_after_a_header, stage, str(tmp_path / "ckpt"), timeout=60, pg_timeout=10)
+    assert results[0]["interrupted"] is None and "save_checkpoint" in results[1]["interrupted"], results
+    for r in results:
+        assert r["error"] and "ranks disagree on the next collective" in r["error"], results
+
+
+APART = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", steps=3)
+
+
+def on_ranks_a_step_apart(stage: int, fault: str) -> dict:
+    """Three steps of SGD with momentum; in the second, rank 1 alone skips ``optimizer.step()``
+    (``"skip"``: a NaN guard that decided on one rank), has it raise before it writes
+    (``"raise"``: a closure that raises), or has the backward of the second of two ``no_sync``
+    micro-batches raise inside a unit (``"no_sync"``); the loop catches it and goes on. Returns
+    the first error, the step it came in, and this rank's shards at that moment."""
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(APART), auto_wrap_policy={models.Block}, stage=stage)
+    opt = build_optimizer(APART, model)
+    faulty = rank == 1
+
+    def fail(*_: object) -> None:
+        raise ValueError("this rank's fault")
+
+    def loss(batch: dict) -> torch.Tensor:
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    step = 0
+    try:
+        for step in range(APART.steps):
+            batch = {k: v.chunk(world)[rank] for k, v in global_batch(APART, step).items()}
+            if fault == "no_sync" and step == 1:
+                with model.no_sync():
+                    loss(batch).backward()
+                    hook = model.module.blocks[1].register_full_backward_hook(fail) if faulty else None
+                    try:  # inside the backward of the middle unit, after the head's
+                        loss(batch).backward()
+                    except ValueError:
+                        pass
+                    if hook is not None:
+                        hook.remove()
+            loss(batch).backward()
+            if step == 1 and faulty and fault == "skip":
+                opt.zero_grad()
+                continue
+            if step == 1 and faulty and fault == "raise":
+                with pytest.raises(ValueError):
+                    opt.step(fail)
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        return {"error": str(exc), "step": step, "local": local}
+    return {"error": None, "step": step}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("fault", ["skip", "raise", "no_sync"])
+def test_ranks_a_step_apart_are_named_before_they_train_on(stage, fault):
+    """A rank that skipped a step, whose step raised, or that dropped a failed no_sync micro-batch
+    runs the same units in the same order as its peers, so phase and unit alone cannot tell; the
+    history in every header (optimizer steps that wrote the model, failed passes dropped) can.
+    Every rank raises at its next collective, naming how the ranks' pasts differ, where training
+    went on with one rank's shards a step behind (stages 2 and 3) or with the gradients of other
+    batches (a failed micro-batch at stage 1)."""
+    results = run_on_ranks(2, on_ranks_a_step_apart, stage, fault, timeout=60, pg_timeout=10)
+    says = (
+        "dropped a forward or backward that raised, and the others did not (rank 0: 0, rank 1: 1;"
+        if fault == "no_sync"
+        else "stepped this model a different number of times (rank 0: 2, rank 1: 1;"
+    )
+    for r in results:
+        assert r["error"] and "ranks disagree" in r["error"] and says in r["error"], (stage, fault, r["error"])
+    if fault != "no_sync":
+        return
+    # A failed micro-batch is named before anything of its step is reduced or stepped: each
+    # rank's shards are those of the first step, as one process has them.
+    after_one = train_reference_steps(Case(**{**APART.__dict__, "steps": 1}))
+    for rank, r in enumerate(results):
+        assert r["step"] == 1
+        for name, value in after_one.items():
+            torch.testing.assert_close(r["local"][name], expected_chunk(value, 2, rank), msg=name)
 
 
 class Branchy(nn.Module):

@@ -487,6 +487,11 @@ def test_a_gather_header_says_how_many_gathers_its_rank_started_together():
     assert header_text(collectives.HEADER_FORWARD + (0xABCDEF << 8), 1 + (2 << 32), names) == (
         "all-gather of unit 'blocks.0' in forward (the first of 2 gathers started together)")
     assert header_text(collectives.HEADER_BACKWARD, 7, names) == "all-gather of unit '#7' in backward"
+    # the history in bits 48 up is not part of what the header says it is (history_hint reads it)
+    past = collectives.history(1030, 33) << collectives.HISTORY_SHIFT
+    assert header_text(collectives.HEADER_FORWARD + (0xABCDEF << 8), 1 + (2 << 32) | past, names) == (
+        "all-gather of unit 'blocks.0' in forward (the first of 2 gathers started together)")
+    assert collectives.split_history(5 | past) == (5, 1030 % 1024, 33 % 32)
 
 
 class CastInputs(torch.nn.Module):

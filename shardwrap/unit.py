@@ -983,7 +983,7 @@ class Unit:
         self.unshard()
         if (self.index == 0 and schedule.gather_all_ahead and schedule.max_unsharded > 1 and self.device.type == "cpu"
                 and self.store is None and all(not u.stage.reshard_after_forward and u.stage.reshard_after_backward for u in root.units)
-                and torch.is_grad_enabled() and module.training):
+                and torch.is_grad_enabled()):  # (not module.training: ranks may differ in it, and must not in this)
             # Stage 2 on a CPU: every unit at once (design/notes/prefetch.md, "Stage 2 on a CPU")
             rest = schedule.forward_prefetch_rest(self)
             with collectives.interrupt_held():  # every gather the header announced is posted
@@ -1036,8 +1036,10 @@ class Unit:
         elif module.training and not torch.is_grad_enabled():
             self.recomputable = True
         # Backward gathers the root first and then the unit that ended the forward: resharding
-        # them here would only gather them again at once (design/notes/prefetch.md).
-        backward_next = wants_grad and module.training and (self.index == 0 or root.schedule.ended_last_forward(self))
+        # them here would only gather them again at once (design/notes/prefetch.md). Decided from
+        # what every rank shares, not from ``module.training``: a rank left in eval mode for a
+        # training step would gather other units than its peers in backward.
+        backward_next = wants_grad and (self.index == 0 or root.schedule.ended_last_forward(self))
         if self.stage.reshard_after_forward and not backward_next:
             # The buffer may wait for the unit the next pre_forward gathers ahead, if it is as big
             # (design/notes/spare-buffers.md).

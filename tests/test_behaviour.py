@@ -147,9 +147,10 @@ def on_ranks_forward_only(case: Case) -> dict:
 
 
 def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
-    """No-grad and eval forwards leave every unit sharded. A training forward keeps the root
+    """No-grad forwards leave every unit sharded. A grad-enabled forward keeps the root
     unsharded, and from its second step the unit that ended the last forward: backward gathers
-    those two first (design/notes/prefetch.md). Nothing else stays, however many forwards run,
+    those two first (design/notes/prefetch.md). In eval mode too: ranks may differ in the mode
+    flag, and what they gather must not. Nothing else stays, however many forwards run,
     and no unit keeps a record of a forward whose outputs were dropped (it kept one per forward,
     about 2 KB each, until the next backward: a grad-enabled evaluation loop grew without bound)."""
     case = Case("mlp", policy="Block")
@@ -159,9 +160,9 @@ def test_forward_without_backward_keeps_at_most_what_backward_needs_first():
         expected = reference(x)
     for r in run_on_ranks(2, on_ranks_forward_only, case):
         u = r["unsharded"]
-        assert u["no_grad"] == u["eval_grad_enabled"] == u["after_backward"] == [], u
-        # the eval forward already recorded a trace, so the first training forward knows the last unit
-        assert all(u[f"train_{i}"] == ["<root>", "blocks.2"] for i in range(5)), u
+        assert u["no_grad"] == u["after_backward"] == [], u
+        # the no-grad forward recorded a trace, so the next forward knows the unit that ends it
+        assert all(u[k] == ["<root>", "blocks.2"] for k in ["eval_grad_enabled", *(f"train_{i}" for i in range(5))]), u
         assert r["unsharded_bytes"] == r["sizes"][0] + r["sizes"][-1], r
         assert r["grads"], r
         assert r["records"] <= 1, r  # at most the last forward's, not yet pruned

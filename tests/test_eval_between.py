@@ -143,3 +143,38 @@ def test_eval_forward_between_no_sync_micro_batches(stage, eval_inside_no_sync):
     backward outside no_sync(), step: equal to the reference accumulating both micro-batches."""
     case = dataclasses.replace(gpt2_case(stage), accumulate=2, no_sync=True)
     check(case, eval_after=0, eval_inside_no_sync=eval_inside_no_sync)
+
+
+def train_with_one_rank_in_eval_mode(case: Case) -> dict:
+    """Runs on every rank: ``parity.train_sharded``'s loop, with the model in ``eval()`` mode on
+    the last rank for the second step's forward and backward (a callback that left it so on one
+    rank). The model has no layer that reads the mode, so the answer is one process's."""
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ShardedModule(build_model(case), auto_wrap_policy=resolve_policy(case), stage=case.stage)
+    opt = build_optimizer(case, model)
+    losses = []
+    for step in range(case.steps):
+        model.train(not (step == 1 and rank == world - 1))
+        batch = {k: v.chunk(world)[rank] for k, v in global_batch(case, step).items()}
+        loss = loss_fn(case, model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        model.train()
+        opt.step()
+        opt.zero_grad()
+    return {"full": model.full_state_dict(), "local": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+            "losses": losses, "norms": []}
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_training_step_with_the_model_in_eval_mode_on_one_rank_trains_like_one_process(stage, optim):
+    """Whether a unit stays gathered for backward, or gathers every unit at once (stage 2 on a
+    CPU), was decided from ``module.training``: a rank in eval mode then issued other gathers than
+    its peer, and at stages 2 and 3 the module stopped with "ranks disagree" (``fully_shard``
+    trains on). The schedule now reads only what every rank shares (grad mode, the outputs that
+    need a gradient), so the step trains like one process."""
+    case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, steps=3, stage=stage)
+    compare(case, WORLD, run_on_ranks(WORLD, train_with_one_rank_in_eval_mode, case, timeout=60, pg_timeout=10))

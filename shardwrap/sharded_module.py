@@ -1415,9 +1415,20 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
+            running = [u.name for u in self._units if u.training_state is TrainingState.FORWARD]
+            if "is the output of a function that returns multiple views" in str(exc) and running:
+                raise RuntimeError(
+                    f"rank {collectives.rank()}: shardwrap: a parameter was written in place inside the forward of "
+                    f"unit '{running[-1]}' (a clamp_ under torch.no_grad(), nn.Embedding(max_norm=...) renormalizing "
+                    f"its weight, an edit through .data): inside its forward a unit's parameters are views of the "
+                    f"gathered buffer, which autograd does not let a forward write (torch's message follows; "
+                    f"fully_shard lets the write through and loses it). Constrain parameters outside the forward, in place "
+                    f"on model.parameters() under torch.no_grad() (after optimizer.step(): p.clamp_(-c, c); for an "
+                    f"embedding's max_norm, w.mul_((c / w.norm(dim=1, keepdim=True)).clamp(max=1)), which renormalizes every "
+                    f"row rather than the rows looked up) ({exc})"
+                ) from exc
             if "mixed torch.Tensor and DTensor" not in str(exc):
                 raise
-            running = [u.name for u in self._units if u.training_state is TrainingState.FORWARD]
             raise RuntimeError(
                 f"rank {collectives.rank()}: a sharded parameter (a DTensor) was used outside its unit's "
                 f"forward, while unit '{running[-1] if running else '<root>'}' ran. A unit's parameters are "

@@ -1019,7 +1019,17 @@ class Unit:
         # (fully_shard leaves the root's unsharded parameters registered from here to its
         # backward; shardwrap puts the shards back: design/notes/fully-shard-methods.md, "Full
         # parameters")
+        replaced = self._replaced_in_forward()
         self._install_sharded_params()
+        if replaced:
+            raise RuntimeError(
+                f"rank {collectives.rank()}: shardwrap: the forward of unit '{self.name}' replaced parameter(s) "
+                f"{', '.join(repr(n) for n in replaced)} (p.data = t, or a new tensor in the slot). Inside its forward a "
+                f"unit's parameters are views of the gathered buffer: new values put there reach neither this rank's "
+                f"shard nor the other ranks', and the next forward would undo them (fully_shard drops them the same "
+                f"way, silently). Change parameters outside the forward, in place on model.parameters() under "
+                f"torch.no_grad() (after optimizer.step(): p.clamp_(-c, c)), or with load_state_dict"
+            )
         self.training_state = TrainingState.IDLE
         views, self._forward_views = self._forward_views, None
         found = tensors_in(output) if torch.is_grad_enabled() else []
@@ -1671,6 +1681,24 @@ class Unit:
         """The slots get the sharded parameters back, and nothing else changes: after a forward or
         backward that raised, until the next forward cleans up (``ShardedModule.named_parameters``)."""
         self._install_sharded_params()
+
+    def _replaced_in_forward(self) -> list[str]:
+        """The parameters whose slot no longer holds memory of the gathered buffer at the end of
+        the unit's forward: the forward swapped them (``self.w.data = self.w.data.clamp(...)``).
+        A pointer range check per slot, no copy (design/notes/after-wrapping.md)."""
+        storage = self._padded_unsharded.untyped_storage()
+        low = storage.data_ptr()
+        high = low + storage.nbytes()
+        replaced = []
+        for slot, places in zip(self.layout.slots, self.slots):
+            if slot.tp is not None or slot.shape.numel() == 0:  # (an empty tensor's pointer may be anything)
+                continue
+            for module, attr in places:
+                now = module._parameters.get(attr)
+                if now is None or not low <= now.data_ptr() < high:
+                    replaced.append(slot.fqn)
+                    break
+        return replaced
 
     def _install_sharded_params(self) -> None:
         """Point every slot back at its sharded parameter (what the optimizer and users see)."""

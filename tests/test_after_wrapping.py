@@ -383,6 +383,80 @@ def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stag
         assert r["own_params"] and r["after"] and r["after_data"] and r["after_dtensor_data"] and r["after_between_steps"], r
 
 
+# ---- parameters written inside a forward --------------------------------------------------------
+
+
+class ClampsInForward(models.Block):
+    """A weight constraint written inside the forward (WGAN-style clipping): ``"data"`` swaps
+    the weight (``w.data = w.data.clamp(...)``), ``"in_place"`` clamps it under no_grad."""
+
+    how = "data"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "data":
+            self.up.weight.data = self.up.weight.data.clamp(-0.1, 0.1)
+        else:
+            with torch.no_grad():
+                self.up.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+def clamp_after_step(model: nn.Module, rank: int | None) -> None:
+    """The constraint where it works: in place on model.parameters(), after every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("up.weight"):
+                    p.clamp_(-0.1, 0.1)
+
+
+def on_ranks_written_inside_a_forward(stage: int) -> dict:
+    from shardwrap import ShardedModule
+
+    out = {}
+    for how in ("data", "in_place"):
+        torch.manual_seed(0)
+        net = models.mlp()
+        for block in net.blocks:
+            block.__class__, block.how = ClampsInForward, how
+        model = ShardedModule(net, auto_wrap_policy={ClampsInForward}, stage=stage)
+        try:
+            model(batch(0, dist.get_rank())[0])
+            out[how] = "no error"
+        except RuntimeError as exc:
+            out[how] = str(exc)
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    clamp_after_step(model, dist.get_rank())
+    out["full"] = model.full_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_written_inside_a_forward_is_refused_naming_it(stage):
+    """Inside a forward a unit's parameters are views of the gathered buffer. ``w.data = t``
+    there swapped the view and trained on silently (the new values reached no shard, and the
+    next forward undid them: 0.26 off one process after 3 steps, as under fully_shard); it is
+    refused now, naming the parameter. An in-place clamp under no_grad met autograd's "returns
+    multiple views" error, which named nothing; it now says which unit and what to do. What the
+    messages advise (the clamp in place on model.parameters() after each step) trains like one
+    process."""
+    torch.manual_seed(0)
+    reference = models.mlp()
+    clamp_after_step(reference, None)
+    for r in run_on_ranks(WORLD, on_ranks_written_inside_a_forward, stage):
+        assert "'blocks.0.up.weight'" in r["data"] and "replaced parameter(s)" in r["data"] and "p.clamp_(-c, c)" in r["data"], r["data"]
+        assert "written in place inside the forward of unit 'blocks.0'" in r["in_place"] and "p.clamp_(-c, c)" in r["in_place"], r["in_place"]
+        if r["full"]:
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---- gradients written through .data ----------------------------------------------------------
 
 

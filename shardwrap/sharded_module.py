@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -48,6 +49,10 @@ from shardwrap.wrap import PolicyLike, as_policy, has_forward
 
 # Every module that belongs to a wrapped tree, to refuse wrapping twice.
 _MANAGED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# Every module inside a wrapped model -> its ShardedModule (weakly): torch's global registration
+# hooks (_note_registration) look a module up here when something registers a parameter or a
+# submodule on it after wrapping.
+_MODULE_ROOTS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[ShardedModule]]" = weakref.WeakKeyDictionary()
 # Every parameter some ShardedModule took (the original and its sharded DTensor) -> its name there
 _TAKEN_PARAMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # Parameters that wrapping replaced, mapped to their name, to catch stale optimizers.
@@ -712,6 +717,24 @@ def _warn_no_gradient(optimizer: torch.optim.Optimizer, root: ShardedModule) -> 
     )
 
 
+def _note_registration(module: nn.Module, name: str, value: Any) -> None:
+    """torch's global parameter and submodule registration hook: a parameter, or a module holding
+    parameters, that joins a wrapped model after wrapping (PEFT's adapters injected into the wrapped
+    model, ``remove_parametrizations``) is no unit's, so each rank would train its own copy of it
+    and never average it, silently (as under ``fully_shard``). Marks the model; its next forward
+    looks for such parameters and refuses them (``ShardedModule._refuse_added_parameters``). A
+    module registered with none of them (torch's ``CheckpointWrapper`` around a block) joins the
+    model's modules, so what is added inside it later is seen too."""
+    ref = _MODULE_ROOTS.get(module)
+    root = ref() if ref is not None else None
+    if root is None or value is None:
+        return
+    root._registered_after_wrapping = True
+    if isinstance(value, nn.Module):
+        for sub in value.modules():
+            _MODULE_ROOTS.setdefault(sub, ref)  # type: ignore[arg-type]
+
+
 def _unit_of_param(p: torch.Tensor) -> Unit | None:
     ref = _SHARDED_PARAMS.get(p)
     return ref() if ref is not None else None
@@ -1041,6 +1064,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         # Optimizer steps that wrote this model's parameters, and passes dropped by _recover: every
         # header carries both (collectives.history), so ranks a step apart raise (rank-agreement.md)
         self._optimizer_steps = self._dropped_passes = 0
+        self._registered_after_wrapping = False  # a parameter or module joined the model (_note_registration)
         self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
         self._sync = True  # False inside no_sync()
         self.offload = offload or Offload()
@@ -1116,6 +1140,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             _TAKEN_PARAMS[param] = name
         for name, sub in module.named_modules():
             _MANAGED_MODULES.add(sub)
+            _MODULE_ROOTS[sub] = weakref.ref(self)
             if next(sub.parameters(), None) is not None:  # what holds shards refuses conversions and copies
                 sub.__dict__["_apply"] = _InnerApply(self, sub, name)
                 sub.__dict__["__deepcopy__"] = _InnerDeepcopy(name)
@@ -1136,6 +1161,8 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         if not _optimizer_hook_installed:
             register_optimizer_step_pre_hook(_check_optimizer_params)
             register_optimizer_step_post_hook(_mark_stepped_units)
+            register_module_parameter_registration_hook(_note_registration)
+            register_module_module_registration_hook(_note_registration)
             _optimizer_hook_installed = True
         if self.mixed_precision.buffer_dtype is not None:
             with torch.no_grad():
@@ -1571,6 +1598,8 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         backward (several forwards before one backward). A forward or backward that raised
         before it finished is cleaned up first."""
         self.refuse_out_of_step("this forward")
+        if self._registered_after_wrapping:
+            self._refuse_added_parameters()
         local_step.restore_failed_steps()
         if self._state is TrainingState.BACKWARD or any(u.training_state is not TrainingState.IDLE for u in self._units):
             self._recover()
@@ -1584,6 +1613,24 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             self.schedule.clear()
         self.schedule.start_forward()
         self._spares.open()
+
+    def _refuse_added_parameters(self) -> None:
+        """After a registration on the wrapped model (``_note_registration``): refuse a trainable
+        parameter that no unit shards, naming it; every rank makes the same change, so every rank
+        raises. The mark stays until none is left (the user removed the new part)."""
+        added = [n for n, p in self.module.named_parameters() if p.requires_grad and _unit_of_param(p) is None]
+        if not added:
+            self._registered_after_wrapping = False
+            return
+        raise RuntimeError(
+            f"rank {collectives.rank()}: shardwrap: parameter(s) {', '.join(repr(n) for n in added[:8])}"
+            f"{f' and {len(added) - 8} more' if len(added) > 8 else ''} joined the model after ShardedModule "
+            f"wrapped it (a module assigned into it, register_parameter, PEFT's get_peft_model or adapters "
+            f"injected into the wrapped model, torch.nn.utils.parametrize.remove_parametrizations). No unit shards "
+            f"them, so each rank would train its own copy and never average it with the others' (fully_shard "
+            f"does the same, silently). Make the change before wrapping, then wrap; or remove the new part again "
+            f"(del module.name) to train on"
+        )
 
     def _catch_unseen_writes(self) -> None:
         """A unit left gathered since the last forward is computed with again without a gather,

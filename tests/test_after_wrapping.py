@@ -383,6 +383,59 @@ def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stag
         assert r["own_params"] and r["after"] and r["after_data"] and r["after_dtensor_data"] and r["after_between_steps"], r
 
 
+# ---- parameters that join the model after wrapping -----------------------------------------------
+
+
+def train_plain(model: nn.Module, rank: int | None) -> None:
+    """Three steps of SGD with momentum (the whole batch, or ``rank``'s chunk of it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def on_ranks_joined_after_wrapping(stage: int) -> dict:
+    """A LoRA-style layer put into a wrapped block (what PEFT's get_peft_model does to a model
+    given after wrapping), then taken out again; a parameterless module added meanwhile stays."""
+    from shardwrap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
+    block = model.module.blocks[0]
+    torch.manual_seed(1)  # every rank adds the same layer
+    block.lora = nn.Linear(16, 16)
+    block.extra = nn.Identity()  # no parameter: nothing to refuse
+    x, _ = batch(0, dist.get_rank())
+    out = {}
+    try:
+        model(x)
+        out["refused"] = "no error"
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    del block.lora
+    train_plain(model, dist.get_rank())
+    out["full"] = model.full_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_that_joins_the_model_after_wrapping_is_refused_at_the_next_forward(stage):
+    """No unit shards a parameter added after wrapping, so each rank trained its own copy and
+    never averaged it with the others' (1.5e-2 apart between two ranks after 3 steps; fully_shard
+    the same). torch's global registration hooks now mark the model, and its next forward names
+    every such parameter on every rank; with the layer removed, training goes on like one process."""
+    torch.manual_seed(0)
+    reference = models.mlp()
+    train_plain(reference, None)
+    for r in run_on_ranks(WORLD, on_ranks_joined_after_wrapping, stage):
+        assert "'blocks.0.lora.weight', 'blocks.0.lora.bias' joined the model after ShardedModule wrapped it" in r["refused"], r["refused"]
+        if r["full"]:
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---- parameters written inside a forward --------------------------------------------------------
 
 

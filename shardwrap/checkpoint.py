@@ -247,6 +247,7 @@ def _encode_extra_state(extra_state: Mapping[str, Any] | None, model: "ShardedMo
     return body
 
 
+@collectives.holds_interrupt
 def save_checkpoint(
     path: str,
     model: "ShardedModule",
@@ -552,6 +553,7 @@ def _read_torch_file(path: str, name: str, records: dict[str, files.FileRecord] 
         raise _refusal(path, exc) from None
 
 
+@collectives.holds_interrupt
 def _load(
     path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, read_extras: Callable[[str, Any], T]
 ) -> T:
@@ -659,6 +661,7 @@ def content_digest(value: Any) -> str:
     return f"xxh3_64:{digest.hexdigest()}"
 
 
+@collectives.holds_interrupt
 def save_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Gather full model (and optimizer) state on the first rank and ``torch.save`` it atomically:
     a plain PyTorch checkpoint that loads into the unwrapped model."""
@@ -712,6 +715,7 @@ def load_full(path: str, model: "ShardedModule", optimizer: torch.optim.Optimize
     load_full_with(path, model, optimizer, lambda content: content)
 
 
+@collectives.holds_interrupt
 def load_full_with(
     path: str, model: "ShardedModule", optimizer: torch.optim.Optimizer | None, layout: Callable[[Any], dict[str, Any]]
 ) -> dict[str, Any]:

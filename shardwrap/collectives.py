@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import hashlib
 import os
 import pickle
@@ -22,7 +23,7 @@ import time
 import weakref
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, ParamSpec, Protocol, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -363,6 +364,25 @@ def interrupt_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
         if frames:
             previous(signal.SIGINT, frames[0])
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def holds_interrupt(call: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A call between steps that starts with a header (``ShardedModule.agree_on_call``) and goes
+    on into data collectives: a Ctrl-C in its header's wait is held to its end. Raised there, the
+    peers would already be in the call's collectives, and this rank's next one (a checkpoint saved
+    on the way out) would meet them, and gloo would abort the process. A save completes, then the
+    interrupt comes (design/notes/rank-agreement.md, "A Ctrl-C between a header and its gather")."""
+
+    @functools.wraps(call)
+    def held(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with interrupt_held():
+            return call(*args, **kwargs)
+
+    return held
 
 
 def carrier_device(group: dist.ProcessGroup) -> torch.device:

@@ -64,10 +64,13 @@ def header_text(kind: int, value: int, unit_names: list[str] | None = None) -> s
     return f"an unknown exchange ({kind}, {value})"
 
 
-def history_hint(values: Sequence[int]) -> str:
-    """Where the headers' values (one per rank) carry different histories, a sentence saying how
-    the ranks' pasts differ and what to do; else ``""``."""
-    pasts = [collectives.split_history(v)[1:] for v in values]
+def history_hint(rows: Sequence[Sequence[int]]) -> str:
+    """Where every rank's header (``(kind, value)``, one per rank) names the same collective and
+    the histories differ, a sentence saying how the ranks' pasts differ and what to do; else
+    ``""`` (ranks at different collectives differ in history too, for another reason)."""
+    if len({(k, v & collectives.LOW_BITS) for k, v in rows}) > 1:
+        return ""
+    pasts = [collectives.split_history(v)[1:] for _, v in rows]
     if len(set(pasts)) == 1:
         return ""
     if len({steps for steps, _ in pasts}) > 1:
@@ -278,11 +281,8 @@ class CollectiveSchedule:
         if any(k & 0xFF != collectives.HEADER_COUNTS for k in kinds):
             names = list(self._reduce[0].unit_names) if self._reduce else None
             seen = ", ".join(f"rank {r}: {header_text(k, int(v), names)}" for r, (k, v) in enumerate(counts.tolist()))
-            raise self.out_of_step(
-                f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}).{history_hint(counts[:, 1].tolist())} "
-                f"{OUT_OF_STEP_HINT}"
-            )
-        hint = history_hint(counts[:, 1].tolist())
+            raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective ({seen}). {OUT_OF_STEP_HINT}")
+        hint = history_hint([[0, v & ~collectives.LOW_BITS] for v in counts[:, 1].tolist()])  # (the counts may differ)
         if hint:
             raise self.out_of_step(f"rank {collectives.rank()}: shardwrap: ranks disagree at a reduce-scatter count exchange in backward.{hint}")
         if len(set(kinds)) > 1:  # the first exchange's digests of the reduce-scatter order differ

@@ -1445,11 +1445,12 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             running = [u.name for u in self._units if u.training_state is TrainingState.FORWARD]
             if "is the output of a function that returns multiple views" in str(exc) and running:
                 raise RuntimeError(
-                    f"rank {collectives.rank()}: shardwrap: a parameter was written in place inside the forward of "
-                    f"unit '{running[-1]}' (a clamp_ under torch.no_grad(), nn.Embedding(max_norm=...) renormalizing "
-                    f"its weight, an edit through .data): inside its forward a unit's parameters are views of the "
-                    f"gathered buffer, which autograd does not let a forward write (torch's message follows; "
-                    f"fully_shard lets the write through and loses it). Constrain parameters outside the forward, in place "
+                    f"rank {collectives.rank()}: shardwrap: autograd refused an in-place write to a view in the forward "
+                    f"of unit '{running[-1]}'. If that forward writes a parameter in place (a clamp_ under torch.no_grad(), "
+                    f"nn.Embedding(max_norm=...) renormalizing its weight): inside its forward a unit's parameters are "
+                    f"views of the gathered buffer, made by one split, which autograd does not let a forward write "
+                    f"(fully_shard lets the write through and loses it). Otherwise the write is to an output of split, "
+                    f"chunk or unbind in the model's own code. Constrain parameters outside the forward, in place "
                     f"on model.parameters() under torch.no_grad() (after optimizer.step(): p.clamp_(-c, c); for an "
                     f"embedding's max_norm, w.mul_((c / w.norm(dim=1, keepdim=True)).clamp(max=1)), which renormalizes every "
                     f"row rather than the rows looked up) ({exc})"
@@ -1615,10 +1616,18 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         self._spares.open()
 
     def _refuse_added_parameters(self) -> None:
-        """After a registration on the wrapped model (``_note_registration``): refuse a trainable
-        parameter that no unit shards, naming it; every rank makes the same change, so every rank
+        """After a registration on the wrapped model (``_note_registration``): refuse a parameter
+        that no unit shards (a frozen one too: unfrozen later, it would train unsynchronized), naming it; every rank makes the same change, so every rank
         raises. The mark stays until none is left (the user removed the new part)."""
-        added = [n for n, p in self.module.named_parameters() if p.requires_grad and _unit_of_param(p) is None]
+        # A new tensor in a unit's own slot (module.weight = nn.Parameter(...)) is a replacement, which
+        # the unit's pre-forward names (Unit._check_slots); frozen ones count too: unfrozen later
+        slots = {(id(module), attr) for unit in self._units for places in unit.slots for module, attr in places}
+        added = [
+            f"{prefix}{'.' if prefix else ''}{attr}"
+            for prefix, module in self.module.named_modules()
+            for attr, p in module._parameters.items()
+            if p is not None and _unit_of_param(p) is None and (id(module), attr) not in slots
+        ]
         if not added:
             self._registered_after_wrapping = False
             return
@@ -1668,6 +1677,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         paired), drop every gradient it left pending, reshard every unit, and start afresh
         (design/notes/rank-agreement.md)."""
         phase = "backward" if self._state is TrainingState.BACKWARD else "forward"
+        # Gradients this rank drops and its peers may keep: a failed backward's, or a no_sync
+        # accumulation's (a failed evaluation forward drops none, and counts for nothing)
+        drops = self._state is TrainingState.BACKWARD or not all(u.grad_settled for u in self._units)
         # A collective of the failed step timed out or lost its peer: gloo has closed the connection
         # to that peer (after a timeout it does so itself), and a collective left in flight then
         # may never finish, so none is waited for; and the ranks' sequences can no longer be
@@ -1691,8 +1703,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             failure = failure or exc
         self._expect_backward = False
         self._state = TrainingState.IDLE
-        self._dropped_passes += 1
-        self.note_history()
+        if drops:
+            self._dropped_passes += 1
+            self.note_history()
         if fatal:
             self.schedule.out_of_step(f"rank {collectives.rank()}: in the {phase} of step {self._steps_done + 1}, {fatal[0]}")
             self.refuse_out_of_step("this forward")
@@ -1897,7 +1910,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             from shardwrap.schedule import OUT_OF_STEP_HINT, header_text, history_hint
 
             seen = ", ".join(f"rank {r}: {header_text(k, v, list(unit.unit_names))}" for r, (k, v) in enumerate(rows))
-            hint = history_hint([v for _, v in rows]) or f" {RECOMPUTED_ON_SOME_RANKS}"
+            hint = history_hint(rows) or f" {RECOMPUTED_ON_SOME_RANKS}"
             raise self.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the end of backward "
                 f"{self._steps_done + 1} ({seen}).{hint} {OUT_OF_STEP_HINT}"
@@ -2054,7 +2067,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             seen = ", ".join(f"rank {r}: {header_text(k, v, names)}" for r, (k, v) in enumerate(rows))
             raise self.schedule.out_of_step(
                 f"rank {collectives.rank()}: shardwrap: ranks disagree on the next collective at the start of "
-                f"{what} ({seen}).{history_hint([v for _, v in rows])} {what} must be called on every rank at the "
+                f"{what} ({seen}).{history_hint(rows)} {what} must be called on every rank at the "
                 f"same point, between steps. {OUT_OF_STEP_HINT}"
             )
 
@@ -2076,6 +2089,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         missing, unexpected = _sd.load_sharded_or_full(self, state_dict, strict)
         return _IncompatibleKeys(missing, unexpected)
 
+    @collectives.holds_interrupt
     def full_state_dict(self, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
         """``{original name: full tensor}``, gathered one unit at a time.
 
@@ -2086,6 +2100,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         self.agree_on_call("full_state_dict")
         return _sd.full_state_dict(self, rank0_only, cpu_offload)
 
+    @collectives.holds_interrupt
     def load_full_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> Any:
         """Load a full state dict that the mesh's first rank holds (the other ranks pass ``{}``),
         scattering it unit by unit. Returns ``(missing_keys, unexpected_keys)`` on every rank, as
@@ -2095,6 +2110,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         missing, unexpected = _sd.load_full_state_dict(self, sd, strict)
         return _IncompatibleKeys(missing, unexpected)
 
+    @collectives.holds_interrupt
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the same optimizer on the unwrapped model would give it:
         full state tensors, indexed like a plain optimizer, param_groups unchanged."""
@@ -2103,6 +2119,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         _sd.agree_on_optimizer(self, optimizer, "full_optim_state_dict")
         return _sd.full_optim_state_dict(self, optimizer, rank0_only)
 
+    @collectives.holds_interrupt
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load a full optimizer state dict held by the mesh's first rank, at any world size."""
         self.check_between_steps("load_full_optim_state_dict")

@@ -142,6 +142,7 @@ def _full_grads(unit: Unit) -> list[torch.Tensor | None]:
     return [full if p.grad is not None else None for p, full in zip(params, unit.gather_full(flat))]
 
 
+@collectives.holds_interrupt
 def enter(model: ShardedModule, units: list[Unit], recurse: bool, writeback: bool, rank0_only: bool,
           offload_to_cpu: bool, with_grads: bool, modifier_rank: int | None) -> Summoned:
     """Gather the parameters of ``units`` and put full copies in their slots; nothing else changes."""

@@ -16,6 +16,7 @@ tables of both enums.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 import dataclasses
@@ -1272,7 +1273,8 @@ class Unit:
         if not self.layout.slots:
             self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
             return
-        with collectives.interrupt_held():  # a Ctrl-C in the header's wait: the gather it announced is posted first
+        held = self.device.type == "cpu" and self.world_size > 1  # where a header precedes the gather
+        with collectives.interrupt_held() if held else contextlib.nullcontext():  # a Ctrl-C in the header's wait: the gather it announced is posted first
             self._start_gather(checked_in)
         if not async_op:
             self._finish_gather()
@@ -1391,7 +1393,7 @@ class Unit:
             seen = ", ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
             if len(set(texts)) == 1 and len({k for k, _ in rows}) > 1:
                 seen += "; the same first unit and number on every rank, but other units after it"
-            seen += ")." + history_hint([v for _, v in rows])  # a step apart: the same unit, another past
+            seen += ")." + history_hint(rows)  # a step apart: the same unit, another past
             if self._root.in_backward() and (self.recomputable or any(k & 0xFF == collectives.HEADER_END for k, _ in rows)):
                 from shardwrap.sharded_module import RECOMPUTED_ON_SOME_RANKS
 

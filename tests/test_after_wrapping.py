@@ -406,6 +406,7 @@ def on_ranks_joined_after_wrapping(stage: int) -> dict:
     block = model.module.blocks[0]
     torch.manual_seed(1)  # every rank adds the same layer
     block.lora = nn.Linear(16, 16)
+    block.frozen = nn.Linear(16, 16).requires_grad_(False)  # unfrozen later, it would train unsynchronized
     block.extra = nn.Identity()  # no parameter: nothing to refuse
     x, _ = batch(0, dist.get_rank())
     out = {}
@@ -414,7 +415,7 @@ def on_ranks_joined_after_wrapping(stage: int) -> dict:
         out["refused"] = "no error"
     except RuntimeError as exc:
         out["refused"] = str(exc)
-    del block.lora
+    del block.lora, block.frozen
     train_plain(model, dist.get_rank())
     out["full"] = model.full_state_dict()
     return out
@@ -430,7 +431,7 @@ def test_a_parameter_that_joins_the_model_after_wrapping_is_refused_at_the_next_
     reference = models.mlp()
     train_plain(reference, None)
     for r in run_on_ranks(WORLD, on_ranks_joined_after_wrapping, stage):
-        assert "'blocks.0.lora.weight', 'blocks.0.lora.bias' joined the model after ShardedModule wrapped it" in r["refused"], r["refused"]
+        assert "'blocks.0.lora.weight', 'blocks.0.lora.bias', 'blocks.0.frozen.weight', 'blocks.0.frozen.bias' joined the model after ShardedModule wrapped it" in r["refused"], r["refused"]
         if r["full"]:
             for name, value in reference.state_dict().items():
                 torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -504,7 +505,7 @@ def test_a_parameter_written_inside_a_forward_is_refused_naming_it(stage):
     clamp_after_step(reference, None)
     for r in run_on_ranks(WORLD, on_ranks_written_inside_a_forward, stage):
         assert "'blocks.0.up.weight'" in r["data"] and "replaced parameter(s)" in r["data"] and "p.clamp_(-c, c)" in r["data"], r["data"]
-        assert "written in place inside the forward of unit 'blocks.0'" in r["in_place"] and "p.clamp_(-c, c)" in r["in_place"], r["in_place"]
+        assert "in-place write to a view in the forward of unit 'blocks.0'" in r["in_place"] and "p.clamp_(-c, c)" in r["in_place"], r["in_place"]
         if r["full"]:
             for name, value in reference.state_dict().items():
                 torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6, msg=name)

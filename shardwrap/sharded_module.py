@@ -1895,7 +1895,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 unit.run_grad_hooks()
 
     def _check_end_of_backward(self, unit: Unit) -> None:
-        """At stage 3, after forwards that ran units under ``no_grad`` in training mode (a reentrant
+        """At stage 3, after forwards that ran units under ``no_grad`` (a reentrant
         checkpoint's first pass): one header saying this rank's backward is over, before any
         reduce-scatter is waited for. A peer still recomputing such a unit, because only its loss
         reached the unit's output, is then at that unit's all-gather, meets this header instead of

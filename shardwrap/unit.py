@@ -1044,7 +1044,7 @@ class Unit:
                 self._forward_calls.append(self._calls[-1])
             root.schedule.record_post_forward(self)
             root._expect_backward = True
-        elif module.training and not torch.is_grad_enabled():
+        elif not torch.is_grad_enabled():  # (not module.training: ranks may differ in it)
             self.recomputable = True
         # Backward gathers the root first and then the unit that ended the forward: resharding
         # them here would only gather them again at once (design/notes/prefetch.md). Decided from

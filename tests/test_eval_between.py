@@ -161,6 +161,8 @@ def train_with_one_rank_in_eval_mode(case: Case) -> dict:
         loss = loss_fn(case, model, batch)
         loss.backward()
         losses.append(loss.item())
+        with torch.no_grad():  # a logging forward, in whatever mode each rank is in
+            loss_fn(case, model, batch)
         model.train()
         opt.step()
         opt.zero_grad()
@@ -174,7 +176,9 @@ def test_a_training_step_with_the_model_in_eval_mode_on_one_rank_trains_like_one
     """Whether a unit stays gathered for backward, or gathers every unit at once (stage 2 on a
     CPU), was decided from ``module.training``: a rank in eval mode then issued other gathers than
     its peer, and at stages 2 and 3 the module stopped with "ranks disagree" (``fully_shard``
-    trains on). The schedule now reads only what every rank shares (grad mode, the outputs that
-    need a gradient), so the step trains like one process."""
+    trains on). So was whether a ``no_grad`` forward marks its units as recomputed under a
+    reentrant checkpoint, which adds a header to the next backward at stage 3: a logging forward
+    on a rank in eval mode made that backward stop too (a review). Both now read only what every
+    rank shares (grad mode, the outputs that need a gradient), so the step trains like one process."""
     case = Case("mlp", {"dim": 16, "depth": 3}, policy="Block", optim=optim, steps=3, stage=stage)
     compare(case, WORLD, run_on_ranks(WORLD, train_with_one_rank_in_eval_mode, case, timeout=60, pg_timeout=10))

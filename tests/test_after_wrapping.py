@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+from typing import Callable
 
 import pytest
 import torch
@@ -386,14 +387,17 @@ def test_a_parameter_replaced_after_wrapping_is_refused_at_the_next_forward(stag
 # ---- parameters that join the model after wrapping -----------------------------------------------
 
 
-def train_plain(model: nn.Module, rank: int | None) -> None:
-    """Three steps of SGD with momentum (the whole batch, or ``rank``'s chunk of it)."""
+def train_plain(model: nn.Module, rank: int | None, after_step: Callable[[nn.Module], None] | None = None) -> None:
+    """Three steps of SGD with momentum (the whole batch, or ``rank``'s chunk of it), calling
+    ``after_step(model)`` after each."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         x, y = batch(step, rank)
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
 
 
 def on_ranks_joined_after_wrapping(stage: int) -> dict:
@@ -455,18 +459,12 @@ class ClampsInForward(models.Block):
         return super().forward(x)
 
 
-def clamp_after_step(model: nn.Module, rank: int | None) -> None:
+def clamp_up_weights(model: nn.Module) -> None:
     """The constraint where it works: in place on model.parameters(), after every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        x, y = batch(step, rank)
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("up.weight"):
-                    p.clamp_(-0.1, 0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("up.weight"):
+                p.clamp_(-0.1, 0.1)
 
 
 def on_ranks_written_inside_a_forward(stage: int) -> dict:
@@ -486,7 +484,7 @@ def on_ranks_written_inside_a_forward(stage: int) -> dict:
             out[how] = str(exc)
     torch.manual_seed(0)
     model = ShardedModule(models.mlp(), auto_wrap_policy={models.Block}, stage=stage)
-    clamp_after_step(model, dist.get_rank())
+    train_plain(model, dist.get_rank(), clamp_up_weights)
     out["full"] = model.full_state_dict()
     return out
 
@@ -502,7 +500,7 @@ def test_a_parameter_written_inside_a_forward_is_refused_naming_it(stage):
     process."""
     torch.manual_seed(0)
     reference = models.mlp()
-    clamp_after_step(reference, None)
+    train_plain(reference, None, clamp_up_weights)
     for r in run_on_ranks(WORLD, on_ranks_written_inside_a_forward, stage):
         assert "'blocks.0.up.weight'" in r["data"] and "replaced parameter(s)" in r["data"] and "p.clamp_(-c, c)" in r["data"], r["data"]
         assert "in-place write to a view in the forward of unit 'blocks.0'" in r["in_place"] and "p.clamp_(-c, c)" in r["in_place"], r["in_place"]

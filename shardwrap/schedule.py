@@ -73,21 +73,20 @@ def history_hint(rows: Sequence[Sequence[int]]) -> str:
     pasts = [collectives.split_history(v)[1:] for _, v in rows]
     if len(set(pasts)) == 1:
         return ""
-    if len({steps for steps, _ in pasts}) > 1:
-        seen = ", ".join(f"rank {r}: {steps}" for r, (steps, _) in enumerate(pasts))
-        return (
-            f" The ranks have stepped this model a different number of times ({seen}; counted modulo "
-            f"{collectives.STEPS_MODULO}): an optimizer.step() that was skipped, or that raised, on some ranks "
-            f"only, left their shards behind the others'. Decide to skip a step on every rank alike (all-reduce "
-            f"the flag), and restart from the last checkpoint."
-        )
-    seen = ", ".join(f"rank {r}: {drops}" for r, (_, drops) in enumerate(pasts))
-    return (
-        f" Some ranks dropped a forward or backward that raised, and the others did not ({seen}; counted "
-        f"modulo {collectives.DROPS_MODULO}): a failed pass drops every gradient pending on its rank, those of "
-        f"the no_sync micro-batches before it too, so the ranks' gradients no longer cover the same batches. "
-        f"Catch an error on every rank alike (all-reduce a flag), and restart from the last checkpoint."
-    )
+    which = 0 if len({steps for steps, _ in pasts}) > 1 else 1
+    seen = ", ".join(f"rank {r}: {past[which]}" for r, past in enumerate(pasts))
+    return _HISTORY_HINTS[which].format(seen=seen, modulo=(collectives.STEPS_MODULO, collectives.DROPS_MODULO)[which])
+
+
+_HISTORY_HINTS = (
+    " The ranks have stepped this model a different number of times ({seen}; counted modulo {modulo}): an "
+    "optimizer.step() that was skipped, or that raised, on some ranks only, left their shards behind the others'. "
+    "Decide to skip a step on every rank alike (all-reduce the flag), and restart from the last checkpoint.",
+    " Some ranks dropped a forward or backward that raised, and the others did not ({seen}; counted modulo "
+    "{modulo}): a failed pass drops every gradient pending on its rank, those of the no_sync micro-batches before "
+    "it too, so the ranks' gradients no longer cover the same batches. Catch an error on every rank alike "
+    "(all-reduce a flag), and restart from the last checkpoint.",
+)
 
 
 class CollectiveSchedule:

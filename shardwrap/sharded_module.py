@@ -24,9 +24,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.modules.module import _IncompatibleKeys, register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -812,22 +811,6 @@ def _settle_state(optimizer: torch.optim.Optimizer, disk: list[tuple[torch.Tenso
             state[key] = placed
 
 
-def _count_step(optimizer: torch.optim.Optimizer) -> None:
-    """A step that finished counts once for each model it wrote: one of whose parameters it held
-    with a gradient (a step that raised never gets here, and does not count)."""
-    roots: dict[int, ShardedModule] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                ref = _SHARDED_PARAMS.get(p)
-                unit = ref() if ref is not None else None
-                if unit is not None:
-                    roots.setdefault(id(unit._root), unit._root)
-    for root in roots.values():
-        root._optimizer_steps += 1
-        root.note_history()
-
-
 def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step post-hook: every unit whose parameters the optimizer holds counts as written.
 
@@ -837,28 +820,33 @@ def _mark_stepped_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     model stepped by ``AdamW(foreach=True)`` (torch's default on CUDA) would skip the next
     all-gather and train on the other ranks' old rows (design/notes/dtensor-parameters.md)."""
     local = optimizer in _LEFT or local_step.leave(optimizer)  # the step ran on the local tensors (never with disk offload)
-    _count_step(optimizer)  # (the groups hold the DTensor parameters again)
-    if local:
+    if local:  # its owners are marked written already
         _LEFT.discard(optimizer)
-        return
-    _exit_step_modes(optimizer)
-    disk = _disk_params(optimizer)
-    if disk:
-        _settle_state(optimizer, disk)
+    else:
+        _exit_step_modes(optimizer)
+        disk = _disk_params(optimizer)
+        if disk:
+            _settle_state(optimizer, disk)
     seen: set[int] = set()
-    stepped: set[int] = set()
-    for group in optimizer.param_groups:
+    stepped: dict[int, Unit] = {}
+    for group in optimizer.param_groups:  # (the DTensor parameters, after a local step too)
         for p in group["params"]:
             ref = _SHARDED_PARAMS.get(p)
             unit = ref() if ref is not None else None
             if unit is None:
                 continue
-            if id(unit) not in seen:
+            if not local and id(unit) not in seen:
                 seen.add(id(unit))
                 unit.mark_written()
             if p.grad is not None and id(unit) not in stepped:  # a write a backward still owed must see
-                stepped.add(id(unit))
-                unit.mark_stepped()
+                stepped[id(unit)] = unit
+                if not local:
+                    unit.mark_stepped()
+    # The step counts once for each model it wrote, in the history every header carries (a step
+    # that raised never gets here, and does not count)
+    for root in {id(u._root): u._root for u in stepped.values()}.values():
+        root._optimizer_steps += 1
+        root.note_history()
 
 
 def _guard_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1617,10 +1605,11 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
 
     def _refuse_added_parameters(self) -> None:
         """After a registration on the wrapped model (``_note_registration``): refuse a parameter
-        that no unit shards (a frozen one too: unfrozen later, it would train unsynchronized), naming it; every rank makes the same change, so every rank
-        raises. The mark stays until none is left (the user removed the new part)."""
-        # A new tensor in a unit's own slot (module.weight = nn.Parameter(...)) is a replacement, which
-        # the unit's pre-forward names (Unit._check_slots); frozen ones count too: unfrozen later
+        that no unit shards, naming it (a frozen one too: unfrozen later, it would train
+        unsynchronized); every rank makes the same change, so every rank raises. The mark stays
+        until none is left (the user removed the new part)."""
+        # A new tensor in a unit's own slot (module.weight = nn.Parameter(...)) is a replacement,
+        # which the unit's pre-forward names (Unit._check_slots)
         slots = {(id(module), attr) for unit in self._units for places in unit.slots for module, attr in places}
         added = [
             f"{prefix}{'.' if prefix else ''}{attr}"

@@ -1273,7 +1273,8 @@ class Unit:
         if not self.layout.slots:
             self._data, self._gathered_version = DataState.UNSHARDED, self._shard_version()
             return
-        held = self.device.type == "cpu" and self.world_size > 1  # where a header precedes the gather
+        # Where this call exchanges a header before the gather (a caller that did, holds it itself)
+        held = not checked_in and self.device.type == "cpu" and self.world_size > 1
         with collectives.interrupt_held() if held else contextlib.nullcontext():  # a Ctrl-C in the header's wait: the gather it announced is posted first
             self._start_gather(checked_in)
         if not async_op:

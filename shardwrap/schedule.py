@@ -222,6 +222,16 @@ class CollectiveSchedule:
         self._order_checked = False  # the first count exchange (it carries the reduce-scatter order) was waited for
         self._started = self._started_everywhere = 0
 
+    @property
+    def accumulated(self) -> list[int]:
+        """The indices of units holding ``no_sync`` gradients (on some rank) outside this
+        backward's schedule, which the end of a reducing backward reduces in index order."""
+        return self._accumulated
+
+    def scheduled_reductions(self) -> list[int]:
+        """The indices of the units this backward schedules to reduce."""
+        return [u.index for u in self._reduce]
+
     def gathers_through(self, unit: Unit) -> Iterator[Unit]:
         """Every scheduled unit up to and including ``unit`` that is not handed out yet, in
         schedule order (nothing if ``unit`` is past or outside the schedule). The caller gathers

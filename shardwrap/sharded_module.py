@@ -1055,6 +1055,11 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         self._registered_after_wrapping = False  # a parameter or module joined the model (_note_registration)
         self._fatal_before = len(collectives.fatal_failures())  # collective timeouts and lost peers before this step
         self._sync = True  # False inside no_sync()
+        # Units a no_sync backward scheduled to reduce since the last reducing backward: that one
+        # reduces each of them on every rank, from zeros where this rank's backward never reached
+        # it (a unit frozen whole since then has left the schedule, and only the ranks it reached
+        # hold a gradient: design/notes/unused-parameters.md, "Frozen inside a window")
+        self._owed: set[int] = set()
         self.offload = offload or Offload()
         if self.offload.enabled and device.type != "cpu" and collectives.carrier_device(self.world_group).type != "cpu":
             warnings.warn(
@@ -1692,6 +1697,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
             failure = failure or exc
         self._expect_backward = False
         self._state = TrainingState.IDLE
+        self._owed = set()
         if drops:
             self._dropped_passes += 1
             self.note_history()
@@ -1741,8 +1747,13 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         # from no_sync; a unit a reentrant checkpoint may have recomputed on some ranks only is reduced
         # by every rank at the end of the backward anyway
-        accumulated = [u.index for u in self._units if u.grad_state is GradState.ACCUMULATING and not u.recomputable]
+        accumulated = [u.index for u in self._units
+                       if (u.grad_state is GradState.ACCUMULATING or u.index in self._owed) and not u.recomputable]
         self.schedule.begin_backward(sync=self._sync, accumulated=accumulated)
+        if self._sync:
+            self._owed = set()
+        else:
+            self._owed.update(self.schedule.scheduled_reductions())
         self._reduced_now = set()
         self._spares.open()
 
@@ -1807,7 +1818,8 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         order = self._replica_order
         while self._replicas_started < len(order):
             unit = order[self._replicas_started]
-            if not unit.trains and unit.grad_state is not GradState.IN_FLIGHT:  # frozen whole: no reduction this backward
+            if not unit.trains and unit.grad_state is not GradState.IN_FLIGHT and unit.index not in self.schedule.accumulated:
+                # frozen whole: no reduction this backward (unless a no_sync one owes it: at the end)
                 self._replicas_started += 1
                 continue
             if not unit.shard_reduced:
@@ -1849,9 +1861,12 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 if unit.grad_state is GradState.ACCUMULATING:
                     unit.pack_grad()  # gradient kept from no_sync micro-batches
                 self._start_reduction(unit)
+            owed = set(schedule.accumulated)
             for unit in self._units:
                 if unit.grad_state in (GradState.ACCUMULATING, GradState.PACKED):  # outside the recorded forward
                     unit.pack_grad()
+                    self._start_reduction(unit)
+                elif unit.index in owed and unit.index not in self._reduced_now:  # zeros, paired with the ranks it reached
                     self._start_reduction(unit)
                 elif unit.recomputable and unit.trains and unit.index not in self._reduced_now:
                     # recomputed (and reduced) on other ranks only: this rank's zeros pair with theirs

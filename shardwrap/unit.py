@@ -133,7 +133,7 @@ def _keep_alive(views: "_Views", *grads: object) -> None:
     """A no-op node pre-hook whose only job is to hold ``views`` for as long as the node lives."""
 
 
-def _weak(method: Callable[..., None], *first: Any) -> Callable[..., None]:
+def _weak(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     """``method`` without a strong reference to its object (called with ``first`` before the
     hook's own arguments).
 
@@ -144,10 +144,9 @@ def _weak(method: Callable[..., None], *first: Any) -> Callable[..., None]:
     """
     ref = weakref.WeakMethod(method)
 
-    def call(*args: object) -> None:
+    def call(*args: object) -> Any:
         bound = ref()
-        if bound is not None:
-            bound(*first, *args)
+        return None if bound is None else bound(*first, *args)
 
     return call
 
@@ -393,6 +392,7 @@ class _Reduction:
     input: torch.Tensor | None  # must live until the collective completes (then dropped: it is the unit's full gradient)
     done: Callable[[], bool] | None
     used_here: bool  # this rank's backward reached the unit (its flags are this rank's _grad_used)
+    trained: list[bool]  # the unit's _trained_since_reduce when the reduce-scatter started
     shard_done: bool = False  # the reduce-scatter over the shard axis finished (hybrid: the all-reduce follows)
     replica_work: collectives.Work | None = None  # hybrid: the all-reduce over the replicate axis
 
@@ -562,8 +562,16 @@ class Unit:
         # parameters whose p.grad those reductions created (see settle_unused_grads).
         self._grad_used = [False] * self.layout.num_trainable
         self._used_here = [False] * self.layout.num_trainable
+        # Per trainable parameter: whether a grad-enabled forward since the last reduce-scatter
+        # started gave it a view that needs a gradient. The same on every rank (the same forwards,
+        # the same requires_grad): a parameter frozen now, without this bit, can have no gradient
+        # in the reduction, so finish_grad skips it without reading the flags.
+        self._trained_since_reduce = [False] * self.layout.num_trainable
         self._usage: list[torch.Tensor] = []
         self._fresh_grads: list[int] = []
+        # Parameters frozen since a no_sync backward gave them a gradient, which a reduction
+        # delivered to their p.grad (finish_grad): their hooks are due too.
+        self._frozen_reduced: list[int] = []
         # Trainable parameters some rank's forward used in the backward that last reduced: their
         # post-accumulate-grad hooks are due (run_grad_hooks).
         self._hooks_due: list[int] = []
@@ -1035,6 +1043,12 @@ class Unit:
         views, self._forward_views = self._forward_views, None
         found = tensors_in(output) if torch.is_grad_enabled() else []
         wants_grad = list({id(t): t for t in found if t.requires_grad}.values())  # once each
+        # The backward schedule is the same on every rank: a unit that trains is in it even where
+        # its outputs need no gradient on this rank (its trainable parameters were left out here,
+        # data-dependently, and the rest are frozen or constant), and then gets its gather and a
+        # reduce-scatter of zeros at the end of this rank's backward, paired with its peers' real
+        # ones (design/notes/collective-schedule.md, "The same schedule on every rank").
+        scheduled = bool(wants_grad) or (torch.is_grad_enabled() and self.trains)
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
             if views is not None:
@@ -1042,15 +1056,16 @@ class Unit:
                 self._calls.append(weakref.ref(views))
                 self._forward_calls = [call for call in self._forward_calls if call() is not None]
                 self._forward_calls.append(self._calls[-1])
-            root.schedule.record_post_forward(self)
             root._expect_backward = True
         elif not torch.is_grad_enabled():  # (not module.training: ranks may differ in it)
             self.recomputable = True
+        if scheduled:
+            root.schedule.record_post_forward(self)
         # Backward gathers the root first and then the unit that ended the forward: resharding
         # them here would only gather them again at once (design/notes/prefetch.md). Decided from
         # what every rank shares, not from ``module.training``: a rank left in eval mode for a
         # training step would gather other units than its peers in backward.
-        backward_next = wants_grad and (self.index == 0 or root.schedule.ended_last_forward(self))
+        backward_next = scheduled and (self.index == 0 or root.schedule.ended_last_forward(self))
         if self.stage.reshard_after_forward and not backward_next:
             # The buffer may wait for the unit the next pre_forward gathers ahead, if it is as big
             # (design/notes/spare-buffers.md).
@@ -1159,15 +1174,26 @@ class Unit:
                 f"before it (or set requires_grad before wrapping)"
             )
 
-    def _note_used_grads(self, made: int, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    def _note_used_grads(self, made: int, grad_outputs: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...] | None:
         """Autograd node pre-hook on the views' split: record which trainable views received a
         gradient (the split's outputs alternate a parameter's piece and its padding; autograd
-        passes None for an output nothing used). ``made``: the leaf the views are of."""
+        passes None for an output nothing used). ``made``: the leaf the views are of.
+
+        A parameter frozen since the forward made its view gets nothing: its gradient is dropped
+        here, as autograd's accumulation skips a leaf that no longer requires grad, so it adds
+        nothing to the flat gradient (design/notes/unused-parameters.md, "Frozen inside a window")."""
         self._check_leaf(made)
-        used = self._grad_used
+        used, params = self._grad_used, self.sharded_params
+        kept: list[torch.Tensor | None] | None = None
         for i in range(len(used)):
-            if grad_outputs[2 * i] is not None:
+            if grad_outputs[2 * i] is None:
+                continue
+            if params[i].requires_grad:
                 used[i] = True
+            else:
+                kept = list(grad_outputs) if kept is None else kept
+                kept[2 * i] = None
+        return None if kept is None else tuple(kept)
 
     def take_usage(self) -> torch.Tensor | bool:
         """Per trainable parameter, how many ranks' backwards reached it in this backward's
@@ -1193,8 +1219,9 @@ class Unit:
             if not used_anywhere[i]:
                 self.sharded_params[i].grad = None
         # A parameter some rank used was reduced and got its p.grad here, unless frozen since wrapping
-        self._hooks_due = [i for i, used in enumerate(used_anywhere) if used and self.sharded_params[i].requires_grad]
-        self._fresh_grads = []
+        self._hooks_due = [i for i, used in enumerate(used_anywhere)
+                           if used and (self.sharded_params[i].requires_grad or i in self._frozen_reduced)]
+        self._fresh_grads, self._frozen_reduced = [], []
 
     def run_grad_hooks(self) -> None:
         """The end of a backward that reduced: each parameter whose gradient it delivered (and
@@ -1486,7 +1513,8 @@ class Unit:
         self.end_backward()
         self._accumulated = None  # no_sync's reduce_dtype sum goes with the rest
         self._fresh_grads, self._grad_used, self._usage = [], [False] * len(self._grad_used), []
-        self._used_here = [False] * len(self._grad_used)
+        self._used_here, self._frozen_reduced = [False] * len(self._grad_used), []
+        self._trained_since_reduce = [False] * len(self._grad_used)
         self._hooks_due = []
         leaf = self.unsharded_trainable
         if self._grad in (GradState.ACCUMULATING, GradState.PACKED, GradState.IN_FLIGHT):
@@ -1554,10 +1582,12 @@ class Unit:
             split.register_prehook(_weak(self._views_done, self._view_sets))
             installed = _Views(self._view_sets, split, self.data_version())
             keep = functools.partial(_keep_alive, installed)
+            grad_mode = torch.is_grad_enabled()
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
                 else:
+                    self._trained_since_reduce[i] |= grad_mode
                     # Every node that consumed this view leads to its grad_fn: while one lives, a backward
                     # may still run through the split, and the forward call's record (held weakly in
                     # _calls) must stay; once none does, the record goes with the graph
@@ -1845,7 +1875,8 @@ class Unit:
                 packed = torch.zeros(W * (S + n), dtype=self.reduce_dtype, device=self.device)
             packed.view(W, S + n)[:, S:] = flags
             work = collectives.reduce_scatter(output, packed, self.reduce_group, async_op=True)
-        self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here)
+        trained, self._trained_since_reduce = self._trained_since_reduce, [False] * n
+        self._reduction = _Reduction(work, output, packed, completion_probe(work, self.device), used_here, trained)
         self._grad = GradState.IN_FLIGHT
 
     def _reduces_directly(self) -> bool:
@@ -1963,9 +1994,20 @@ class Unit:
         leaf_grad = self.unsharded_trainable.grad
         rows = self.layout.rank_views_of_unsharded(leaf_grad, self.rank, n) if into_rows and self.shard_in_unsharded and leaf_grad is not None else None
         slots = self.layout.slots
+        counts: list[float] | None = None
         for i, (param, view) in enumerate(zip(self.sharded_params[:n], views)):
-            if not param.requires_grad:  # frozen after wrapping: autograd would leave its grad alone
-                continue
+            if not param.requires_grad:
+                # Frozen after wrapping. Its p.grad still gets what backwards accumulated while it
+                # was trainable (no_sync micro-batches before it was frozen: one process keeps those
+                # in p.grad), which is where some rank's used-flag is set; the flags are summed over
+                # ranks, so every rank decides alike. Read only for a parameter frozen since a
+                # forward that trained it (on a GPU the read waits for the device).
+                if not r.trained[i]:
+                    continue
+                counts = reduced.narrow(0, S, n).tolist() if counts is None else counts
+                if not counts[i]:
+                    continue
+                self._frozen_reduced.append(i)
             if param.grad is not None:
                 local_of(param.grad).add_(view)
             elif rows is not None:  # the rank's rows of the unsharded gradient, zeroed by pack_grad

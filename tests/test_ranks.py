@@ -322,11 +322,11 @@ def on_ranks_cleanup_goes_on_past_a_failed_wait(stage: int, kind: str) -> dict:
         for unit in model.units:
             assert unit._reduction is None and unit._gather is None
             if kind == "lost":  # the waiter thread met the lost peer first, as in a real backward
-                unit._reduction = _Reduction(_LostPeer(), torch.zeros(1), None, _WaiterProbe(_LostPeer()), True)
+                unit._reduction = _Reduction(_LostPeer(), torch.zeros(1), None, _WaiterProbe(_LostPeer()), True, [])
                 unit._data = DataState.GATHERING  # as a gather whose wait raised leaves it (its _gather is gone)
             else:  # a gather too: after its timeout the unit's own reduction is not waited for either
                 unit._gather = _Gather(_StuckPeer(), torch.zeros(1), torch.zeros(1))
-                unit._reduction = _Reduction(_StuckPeer(), torch.zeros(1), None, None, True)
+                unit._reduction = _Reduction(_StuckPeer(), torch.zeros(1), None, None, True, [])
             unit._grad = GradState.IN_FLIGHT
         try:  # the waiter thread runs its waits in order: once this one is done, so are the probes'
             _WaiterProbe(_LostPeer()).join()

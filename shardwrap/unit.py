@@ -701,6 +701,7 @@ class Unit:
             param.requires_grad_(live)
         self._grad_used += [False] * (end - n)
         self._used_here += [False] * (end - n)
+        self._trained_since_reduce += [False] * (end - n)
         self._make_aliases()
         return True
 

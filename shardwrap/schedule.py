@@ -121,6 +121,8 @@ class CollectiveSchedule:
         # (ShardedModule.refuse_out_of_step; design/notes/rank-agreement.md, "After ranks disagreed")
         self.fell_out: str | None = None
         self.history = 0  # the model's ``collectives.history``, which every header carries (ShardedModule.note_history)
+        self._trained_done = False  # a unit that trains finished its forward in this forward call
+        self._behind_training: set[Unit] = set()  # units that started after one did (this step)
 
     def out_of_step(self, message: str) -> RuntimeError:
         """The ranks were found to disagree on the next collective: remember the first such error
@@ -132,6 +134,7 @@ class CollectiveSchedule:
     def clear(self) -> None:
         self.pre_forward.clear()
         self.post_forward.clear()
+        self._behind_training.clear()
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -141,6 +144,10 @@ class CollectiveSchedule:
             self.last_forward, self.forward_trace = self.forward_trace, []
 
     def record_pre_forward(self, unit: Unit, grad_enabled: bool) -> None:
+        if unit.index == 0:
+            self._trained_done = False
+        elif self._trained_done:
+            self._behind_training.add(unit)
         if unit not in self.forward_trace:
             self.forward_trace.append(unit)
         if grad_enabled and unit not in self.pre_forward:
@@ -149,6 +156,16 @@ class CollectiveSchedule:
     def record_post_forward(self, unit: Unit) -> None:
         if unit not in self.post_forward:
             self.post_forward.append(unit)
+
+    def finished_forward(self, unit: Unit, trains: bool) -> None:
+        """A unit's forward returned (grad enabled): after one that trains, the units that start
+        may take inputs that need a gradient on some ranks only."""
+        self._trained_done = self._trained_done or trains
+
+    def behind_training(self, unit: Unit) -> bool:
+        """Whether ``unit`` started, in a grad-enabled forward of this step, after a unit that
+        trains had finished: the same on every rank that runs the same units in the same order."""
+        return unit in self._behind_training
 
     def ended_last_forward(self, unit: Unit) -> bool:
         """Whether ``unit`` was the last unit to start its forward in the previous step."""

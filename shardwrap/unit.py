@@ -1049,7 +1049,18 @@ class Unit:
         # data-dependently, and the rest are frozen or constant), and then gets its gather and a
         # reduce-scatter of zeros at the end of this rank's backward, paired with its peers' real
         # ones (design/notes/collective-schedule.md, "The same schedule on every rank").
-        scheduled = bool(wants_grad) or (torch.is_grad_enabled() and self.trains)
+        # A unit that does not train and stays gathered until its backward (stages 1 and 2) needs
+        # nothing in backward: it is left out on every rank, since whether its outputs need a
+        # gradient can differ between ranks (a frozen unit behind a data-dependent one), and its
+        # place in the list would pace a count exchange on some ranks only. One that reshards
+        # after forward (stage 3) is in the list on every rank where a unit that trains finished
+        # before it started, since its inputs may need a gradient on some ranks only.
+        trains, grad_mode = self.trains, torch.is_grad_enabled()
+        regathers = self.stage.reshard_after_forward
+        scheduled = (bool(wants_grad) and (trains or regathers)) or (grad_mode and (
+            trains or (regathers and root.schedule.behind_training(self))))
+        if grad_mode:
+            root.schedule.finished_forward(self, trains)
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
             if views is not None:

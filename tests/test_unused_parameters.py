@@ -303,6 +303,84 @@ def test_a_parameter_frozen_for_the_whole_run_costs_no_read_in_backward(stage):
         assert all_along == 0 and in_window == 1, (all_along, in_window)
 
 
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class PickedThenFrozen(nn.Module):
+    """``blocks.0`` (trainable) replaces only the rows whose first feature is positive, so on a
+    rank with none its output is dropped; ``blocks.1`` behind it is frozen, so its outputs need
+    a gradient only on the ranks that took ``blocks.0``; ``blocks.2`` trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Residual() for _ in range(3))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = (x[:, 0] > 0).nonzero().flatten()
+        y = self.blocks[0](x)
+        h = x.index_copy(0, rows, y[rows]) if rows.numel() else x
+        return self.head(self.blocks[2](self.blocks[1](h)))
+
+
+def train_picked_then_frozen(stage: int, pairwise: bool) -> float:
+    """Three steps (rows taking ``blocks.0`` on no rank, on rank 0 only, on no rank), each loss
+    all-reduced after the backward as a training loop logs it. Returns the largest parameter
+    difference from the unwrapped model. ``pairwise=False``: gloo's own collectives, with a count
+    exchange beside every scheduled backward unit (the harness makes every collective pairwise,
+    where only the first unit has one)."""
+    from shardwrap import ShardedModule, collectives
+
+    threshold = collectives.PAIRWISE_MIN_BYTES
+    collectives.PAIRWISE_MIN_BYTES = threshold if pairwise else 1 << 40
+    try:
+        return _train_picked_then_frozen(stage, ShardedModule)
+    finally:
+        collectives.PAIRWISE_MIN_BYTES = threshold
+
+
+def _train_picked_then_frozen(stage: int, ShardedModule: Any) -> float:
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref, net = PickedThenFrozen(), PickedThenFrozen()
+    net.load_state_dict(ref.state_dict())
+    for m in (ref, net):
+        m.blocks[1].requires_grad_(False)
+    model = ShardedModule(net, auto_wrap_policy={Residual}, stage=stage)
+    opts = [optimizer("sgd", [p for p in m.parameters() if p.requires_grad]) for m in (ref, model)]
+    for step in range(3):
+        x = torch.randn(2 * world, DIM, generator=torch.Generator().manual_seed(step))
+        x[:, 0] = -x[:, 0].abs()
+        if step == 1:
+            x[:2, 0] = 1.0
+        ref(x).pow(2).mean().backward()
+        loss = model(x.chunk(world)[rank]).pow(2).mean()
+        loss.backward()
+        dist.all_reduce(loss.detach())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return step_and_compare(ref, model, [])["gap"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("pairwise", [True, False])
+def test_a_frozen_unit_whose_inputs_need_a_gradient_on_some_ranks_only_trains_like_one_process(stage, pairwise):
+    """Stages 1 and 2 used to hang in the end of backward's count exchange while the peer sat in
+    the loss's all-reduce; stage 3 named a difference between the ranks' backward gathers. The
+    frozen unit is now in the backward schedule on every rank at stage 3 (a unit that trains
+    finished before it started) and in none at stages 1 and 2 (it needs nothing in backward)."""
+    for gap in run_on_ranks(2, train_picked_then_frozen, stage, pairwise, timeout=60):
+        assert gap < 1e-5, gap
+
+
 class Layer(nn.Module):
     def __init__(self, fan_in: int, fan_out: int) -> None:
         super().__init__()

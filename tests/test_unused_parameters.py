@@ -239,8 +239,7 @@ def train_freezing_in_windows(stage: int, optim: str, variant: str = "plain") ->
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-@pytest.mark.parametrize("variant", ["plain", "partial", "hybrid"])
+@pytest.mark.parametrize("optim, variant", [("sgd", "plain"), ("adamw", "plain"), ("sgd", "partial"), ("sgd", "hybrid")])
 def test_a_parameter_frozen_inside_a_no_sync_window_keeps_what_it_accumulated(stage, optim, variant):
     """A loop with two optimizers that toggles requires_grad (Lightning's toggle_optimizer) with
     gradient accumulation freezes parameters between micro-batches. The reduction at the window's

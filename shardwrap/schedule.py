@@ -157,7 +157,7 @@ class CollectiveSchedule:
         if unit not in self.post_forward:
             self.post_forward.append(unit)
 
-    def finished_forward(self, unit: Unit, trains: bool) -> None:
+    def finished_forward(self, trains: bool) -> None:
         """A unit's forward returned (grad enabled): after one that trains, the units that start
         may take inputs that need a gradient on some ranks only."""
         self._trained_done = self._trained_done or trains

@@ -1060,7 +1060,7 @@ class Unit:
         scheduled = (bool(wants_grad) and (trains or regathers)) or (grad_mode and (
             trains or (regathers and root.schedule.behind_training(self))))
         if grad_mode:
-            root.schedule.finished_forward(self, trains)
+            root.schedule.finished_forward(trains)
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
             if views is not None:

@@ -1952,7 +1952,13 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         group = self.world_group if self.tp_mesh is not None else self.shard_mesh.get_group()
         grads, counted = [], []
         coordinate = list(self.dtensor_mesh.get_coordinate() or [])
+        # Summed in float32 at least (fp16 and bf16 gradients too), in float64 where the model has
+        # float64 parameters (torch's clip sums each gradient in its own dtype; float32 lost digits
+        # there). From the parameters, not the gradients: every rank must all-reduce one dtype.
+        acc = torch.float32
         for p in self.parameters():
+            if p.dtype == torch.float64:
+                acc = torch.float64
             if p.grad is None or local_of(p.grad).numel() == 0:
                 continue
             grads.append(local_of(p.grad))
@@ -1960,15 +1966,16 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 counted.append(grads[-1])
         device = self._units[0].device
         if norm_type == float("inf"):
-            local_max = torch.stack([g.abs().max().float() for g in counted]).max() if counted else torch.zeros((), device=device)
-            stats = torch.stack([local_max, torch.isnan(local_max).float()]).to(device)
+            local_max = (torch.stack([g.abs().max().to(acc) for g in counted]).max() if counted
+                         else torch.zeros((), device=device, dtype=acc))
+            stats = torch.stack([local_max, torch.isnan(local_max).to(acc)]).to(device)
             nan_count = stats[1:].clone()
             collectives.all_reduce_sum(nan_count, group, "clip_grad_norm_'s all-reduce of the NaN count")
             peak = torch.nan_to_num(stats[:1], nan=0.0)
             collectives.all_reduce_max(peak, group, "clip_grad_norm_'s all-reduce of the largest gradient")
             total = torch.where(nan_count > 0, torch.full_like(peak, float("nan")), peak)[0]
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device))
+            local = sum((g.to(acc).abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device, dtype=acc))
             summed = local.reshape(1).clone()
             collectives.all_reduce_sum(summed, group, "clip_grad_norm_'s all-reduce of the norm")
             total = summed[0].pow(1.0 / norm_type)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import run_on_ranks
-from parity import expected_chunk
+from parity import expected_chunk, hybrid_mesh
 
 DIM = 6
 BLOCKS = 3
@@ -80,6 +82,7 @@ micro_batch = st.fixed_dictionaries({
     "late": st.sets(st.sampled_from(FREEZABLE), max_size=2),  # frozen after the forward, before its backward
     "rows": st.sampled_from(ROWS),
     "peek": st.sampled_from([False, False, True]),  # a no_grad forward first (logging inside an accumulation window)
+    "halves": st.sampled_from([False, False, True]),  # two forwards (each half of the rows), one backward of their sum
 })
 step = st.fixed_dictionaries({
     "micro": st.lists(micro_batch, min_size=1, max_size=3),
@@ -100,7 +103,7 @@ def batch(seed: int, world: int, rows: str) -> torch.Tensor:
 
 
 def run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: bool = False, *, checkpointed: bool = False,
-                offload: bool = False) -> list[dict[str, Any]]:
+                offload: str | None = None, hybrid: bool = False, max_unsharded: int = 2) -> list[dict[str, Any]]:
     """In float64: in float32 AdamW turns the last-bit differences between one process's batched
     sums and the ranks' split ones into 1e-5 over a few steps, where a wrong factor or a lost
     gradient moves a parameter by far more than float64's 1e-15."""
@@ -108,13 +111,14 @@ def run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: 
     torch.set_default_dtype(torch.float64)
     try:
         Branchy.checkpointed = checkpointed
-        return _run_program(stage, optim, program, perturb, offload)
+        return _run_program(stage, optim, program, perturb, offload, hybrid, max_unsharded)
     finally:
         torch.set_default_dtype(default)
         Branchy.checkpointed = False
 
 
-def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: bool, offload: bool) -> list[dict[str, Any]]:
+def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: bool, offload: str | None, hybrid: bool,
+                 max_unsharded: int) -> list[dict[str, Any]]:
     """Run ``program`` on the wrapped model (this rank's rows) and on the unwrapped one (every
     row); after each step, the largest parameter and gradient differences and which gradients are
     None on each side. ``perturb``: the wrapped model skips its first unfreeze (the oracle's own
@@ -125,7 +129,11 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
     torch.manual_seed(0)
     ref, net = Net(), Net()
     net.load_state_dict(ref.state_dict())
-    model = ShardedModule(net, auto_wrap_policy={Branchy}, stage=stage, offload=Offload("cpu") if offload else None)
+    shards, place = (2, rank % 2) if hybrid else (world, rank)  # a (2, 2) mesh: rank = replica * 2 + shard
+    path = tempfile.mkdtemp(prefix="shardwrap-programs-") if offload == "disk" else None
+    where = None if offload is None else Offload(offload, path=path)
+    model = ShardedModule(net, auto_wrap_policy={Branchy}, stage=stage, offload=where, max_unsharded=max_unsharded,
+                          mesh=hybrid_mesh((2, 2)) if hybrid else None)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.05)) if optim == "sgd" else (
         lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1))
     ref_opt, opt = make(ref.parameters()), make(model.parameters())
@@ -150,7 +158,11 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
                     model(x.chunk(world)[rank])
             last = i == len(spec["micro"]) - 1
             with contextlib.nullcontext() if last else model.no_sync():
-                losses = [ref(x).pow(2).mean(), model(x.chunk(world)[rank]).pow(2).mean()]
+                local = x.chunk(world)[rank]
+                if mb["halves"]:  # (the mean of each half's squares, averaged: the mean of all)
+                    losses = [sum(m(part).pow(2).mean() for part in xs.chunk(2)) / 2 for m, xs in ((ref, x), (model, local))]
+                else:
+                    losses = [ref(x).pow(2).mean(), model(local).pow(2).mean()]
                 for name in mb["late"]:
                     ref_params[name].requires_grad_(False)
                     params[name].requires_grad_(False)
@@ -169,8 +181,9 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
                 model.clip_grad_norm_(0.05)
         none_ref = [ref_params[n].grad is None for n in ref_params]
         none_got = [params[n].grad is None for n in ref_params]
-        grad_gap = max(((params[n].grad.to_local() - expected_chunk(p.grad, world, rank)).abs().max().item()  # type: ignore[union-attr]
-                        for n, p in ref_params.items() if p.grad is not None and params[n].grad is not None), default=0.0)
+        diffs = [params[n].grad.to_local() - expected_chunk(p.grad, shards, place)  # type: ignore[union-attr]
+                 for n, p in ref_params.items() if p.grad is not None and params[n].grad is not None]
+        grad_gap = max((d.abs().max().item() for d in diffs if d.numel()), default=0.0)  # (a rank may hold no rows)
         if spec["step"]:
             ref_opt.step()
             opt.step()
@@ -189,11 +202,14 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
         full = model.full_state_dict(rank0_only=False)
         gap = max((full[n] - p.detach()).abs().max().item() for n, p in ref_params.items())
         out.append({"gap": gap, "grad_gap": grad_gap, "none_ref": none_ref, "none_got": none_got})
+    if path is not None:
+        del model, opt, params
+        shutil.rmtree(path, ignore_errors=True)
     return out
 
 
-def check(world: int, stage: int, optim: str, program: list[dict[str, Any]], **options: bool) -> None:
-    for rank, steps in enumerate(run_on_ranks(world, run_program, stage, optim, program, **options)):
+def check(world: int, stage: int, optim: str, program: list[dict[str, Any]], **options: Any) -> None:
+    for rank, steps in enumerate(run_on_ranks(world, run_program, stage, optim, program, timeout=90, **options)):
         for i, s in enumerate(steps):
             where = f"rank {rank}, after step {i} of {program}"
             assert s["none_got"] == s["none_ref"], f"p.grad is None differs ({s}), {where}"
@@ -203,19 +219,21 @@ def check(world: int, stage: int, optim: str, program: list[dict[str, Any]], **o
 
 # SHARDWRAP_PROGRAMS=N runs N random programs instead of the suite's fixed 24 (a deeper search)
 @settings(max_examples=int(os.environ.get("SHARDWRAP_PROGRAMS", 24)), deadline=None, derandomize="SHARDWRAP_PROGRAMS" not in os.environ, suppress_health_check=list(HealthCheck))
-@given(program=st.lists(step, min_size=1, max_size=4), world=st.sampled_from([2, 2, 3]), stage=st.sampled_from([1, 2, 3]),
-       optim=st.sampled_from(["sgd", "adamw"]), checkpointed=st.booleans(), offload=st.sampled_from([False, False, True]))
-def test_generated_training_loops_match_one_process(program, world, stage, optim, checkpointed, offload):
+@given(program=st.lists(step, min_size=1, max_size=4), world=st.sampled_from([2, 2, 3, 4]), stage=st.sampled_from([1, 2, 3]),
+       optim=st.sampled_from(["sgd", "adamw"]), checkpointed=st.booleans(), offload=st.sampled_from([None, None, "cpu", "disk"]),
+       hybrid=st.booleans(), max_unsharded=st.sampled_from([1, 2, 3]))
+def test_generated_training_loops_match_one_process(program, world, stage, optim, checkpointed, offload, hybrid, max_unsharded):
+    hybrid = hybrid and world == 4  # W = 4 runs as a (2, 2) mesh or a flat one
     if checkpointed:  # a freeze between a checkpointed forward and its recomputation fails in one process too
         program = [{**spec, "micro": [{**mb, "late": set()} for mb in spec["micro"]]} for spec in program]
-    check(world, stage, optim, program, checkpointed=checkpointed, offload=offload)
+    check(world, stage, optim, program, checkpointed=checkpointed, offload=offload, hybrid=hybrid, max_unsharded=max_unsharded)
 
 
 def test_the_oracle_sees_an_unfreeze_the_wrapped_model_missed():
     """A parameter left frozen on the wrapped model for one micro-batch, where the unwrapped one
     trains it: the comparison must report it."""
-    program = [{"micro": [{"frozen": {"blocks.0.a.weight"}, "late": set(), "rows": "all", "peek": False},
-                          {"frozen": set(), "late": set(), "rows": "all", "peek": False}],
+    program = [{"micro": [{"frozen": {"blocks.0.a.weight"}, "late": set(), "rows": "all", "peek": False, "halves": False},
+                          {"frozen": set(), "late": set(), "rows": "all", "peek": False, "halves": False}],
                 "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None}]
     for rank_steps in run_on_ranks(2, run_program, 3, "sgd", program, True):
         assert rank_steps[0]["gap"] > 1e-4 or rank_steps[0]["grad_gap"] > 1e-4, rank_steps

@@ -7,7 +7,8 @@ three micro-batches (all but the last under ``no_sync``); before each micro-batc
 are frozen or unfrozen by name, as fine-tuning code does, and the global batch decides which
 ranks' rows take each block's data-dependent branch. After them the step clips or not, steps or
 skips the step, and zeroes the gradients to None, to zeros, or not at all; between steps a forward
-may run under ``no_grad`` or with its output dropped. The unwrapped model runs the same program in
+may run under ``no_grad`` or with its output dropped, and the run may restart from a checkpoint
+(``save_checkpoint``, then a new model and optimizer that ``load_checkpoint``). The unwrapped model runs the same program in
 one process on the whole global batch, in float64; after every step each parameter, each gradient
 and each ``p.grad is None`` must match.
 """
@@ -91,6 +92,7 @@ step = st.fixed_dictionaries({
     "step": st.sampled_from([True, True, False]),
     "zero": st.sampled_from(["none", "zeros", "keep", "module"]),  # opt.zero_grad(set_to_none=...), none, model.zero_grad()
     "between": st.sampled_from([None, None, "no_grad", "dropped"]),
+    "restart": st.sampled_from([False, False, False, True]),  # saved, then a new model and optimizer load it (after zeroing to None)
 })
 
 
@@ -123,17 +125,22 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
     row); after each step, the largest parameter and gradient differences and which gradients are
     None on each side. ``perturb``: the wrapped model skips its first unfreeze (the oracle's own
     check)."""
-    from shardwrap import Offload, ShardedModule
+    from shardwrap import Offload, ShardedModule, load_checkpoint, save_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref, net = Net(), Net()
     net.load_state_dict(ref.state_dict())
     shards, place = (2, rank % 2) if hybrid else (world, rank)  # a (2, 2) mesh: rank = replica * 2 + shard
-    path = tempfile.mkdtemp(prefix="shardwrap-programs-") if offload == "disk" else None
-    where = None if offload is None else Offload(offload, path=path)
-    model = ShardedModule(net, auto_wrap_policy={Branchy}, stage=stage, offload=where, max_unsharded=max_unsharded,
-                          mesh=hybrid_mesh((2, 2)) if hybrid else None)
+    scratch = tempfile.mkdtemp(prefix="shardwrap-programs-")  # disk offload's files (each model its own folder)
+    checkpoints = os.path.join(tempfile.gettempdir(), f"shardwrap-programs-{os.getppid()}")  # the same on every rank
+
+    def wrap(net: nn.Module) -> Any:
+        where = None if offload is None else Offload(offload, path=tempfile.mkdtemp(dir=scratch) if offload == "disk" else None)
+        return ShardedModule(net, auto_wrap_policy={Branchy}, stage=stage, offload=where, max_unsharded=max_unsharded,
+                             mesh=hybrid_mesh((2, 2)) if hybrid else None)
+
+    model = wrap(net)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.05)) if optim == "sgd" else (
         lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1))
     ref_opt, opt = make(ref.parameters()), make(model.parameters())
@@ -199,12 +206,23 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
             with torch.no_grad() if spec["between"] == "no_grad" else contextlib.nullcontext():
                 ref(x)
                 model(x.chunk(world)[rank])
+        if spec["restart"] and spec["zero"] in ("none", "module"):  # (a checkpoint holds no gradients)
+            seed += 1
+            save_checkpoint(f"{checkpoints}/{seed}", model, opt)
+            del model, opt, params
+            torch.manual_seed(seed)  # other initial values, which the load must overwrite
+            model = wrap(Net())
+            opt = make(model.parameters())
+            load_checkpoint(f"{checkpoints}/{seed}", model, opt)
+            params = dict(model.named_parameters())
         full = model.full_state_dict(rank0_only=False)
         gap = max((full[n] - p.detach()).abs().max().item() for n, p in ref_params.items())
         out.append({"gap": gap, "grad_gap": grad_gap, "none_ref": none_ref, "none_got": none_got})
-    if path is not None:
-        del model, opt, params
-        shutil.rmtree(path, ignore_errors=True)
+    del model, opt, params
+    dist.barrier()
+    shutil.rmtree(scratch, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return out
 
 
@@ -234,6 +252,6 @@ def test_the_oracle_sees_an_unfreeze_the_wrapped_model_missed():
     trains it: the comparison must report it."""
     program = [{"micro": [{"frozen": {"blocks.0.a.weight"}, "late": set(), "rows": "all", "peek": False, "halves": False},
                           {"frozen": set(), "late": set(), "rows": "all", "peek": False, "halves": False}],
-                "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None}]
+                "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None, "restart": False}]
     for rank_steps in run_on_ranks(2, run_program, 3, "sgd", program, True):
         assert rank_steps[0]["gap"] > 1e-4 or rank_steps[0]["grad_gap"] > 1e-4, rank_steps

@@ -119,14 +119,18 @@ def completion_probe(work: collectives.Work | None, device: torch.device) -> Cal
     return work.is_completed
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class _Views:
     """One installed set of full-shape views: its number, the split node behind them, and the
-    shard's data version they were gathered from (``Unit.data_version``)."""
+    shard's data version they were gathered from (``Unit.data_version``). ``checkpointed``: the
+    call's outputs came out of a reentrant checkpoint (its ops ran under no_grad, and a nested
+    backward's recomputation reads the parameters)."""
 
     number: int
     split: torch.autograd.graph.Node
     version: int
+    checkpointed: bool = False
+    frozen: bool = False  # some of the views are of frozen parameters (constants to autograd)
 
 
 def _keep_alive(views: "_Views", *grads: object) -> None:
@@ -516,6 +520,7 @@ class Unit:
         self.showing_full = False
         self._forward_views: _Views | None = None
         self._awaited: list[tuple[int, int]] = []
+        self._held = False  # a forward call this backward's splits do not cover: keep gathered to its end
         self.release_due = False
         self._calls: list[weakref.ref[_Views]] = []
         self._calls_task = -1
@@ -1064,6 +1069,7 @@ class Unit:
         if wants_grad:
             register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
             if views is not None:
+                views.checkpointed = any(type(t.grad_fn).__name__ == "CheckpointFunctionBackward" for t in wants_grad)
                 self._calls = [call for call in self._calls if call() is not None]
                 self._calls.append(weakref.ref(views))
                 self._forward_calls = [call for call in self._forward_calls if call() is not None]
@@ -1119,6 +1125,16 @@ class Unit:
         for call in new:
             if torch._C._will_engine_execute_node(call.split):
                 self._awaited.append((call.number, task))
+            elif call.frozen and not call.checkpointed:
+                # A call whose views this backward does not reach (it may have read only frozen
+                # parameters, constants to autograd) may still get a gradient at its outputs, and
+                # then reads the gathered parameters for its inputs' gradient, with no split to say
+                # when it is done. Freed after the other calls' splits, the unit would be gathered
+                # again for it: on the ranks whose rows took that path only, a gather the others
+                # never join (a hang, found by tests/test_programs.py). It stays gathered to the end
+                # of the backward, as a frozen unit does. (A call under HF's reentrant checkpoint
+                # is released by its nested backward: design/notes/activation-checkpointing.md.)
+                self._held = True
         if task == root.outer_task:
             root.release_due_units()  # the nested backwards that ran before this are over
         self._gather_for_backward()
@@ -1269,7 +1285,7 @@ class Unit:
         checkpoint's) that waits for the outermost backward: the backward that started it may
         still read the views, and a later recomputation may read the slots
         (design/notes/activation-checkpointing.md, "When backward is done with a unit")."""
-        if self._awaited:
+        if self._awaited or self._held:
             return
         root = self._root
         if torch._C._current_graph_task_id() != root.outer_task:
@@ -1290,6 +1306,7 @@ class Unit:
         """The end of backward: views of forward calls whose outputs got no gradient are not
         waited for."""
         self._awaited, self.release_due, self._calls, self._calls_task = [], False, [], -1
+        self._held = False
 
     # ---- data-state transitions ---------------------------------------------------------------
 
@@ -1592,12 +1609,14 @@ class Unit:
             # gradient"), or give the slots back (stage 1)
             self._view_sets += 1
             split.register_prehook(_weak(self._views_done, self._view_sets))
-            installed = _Views(self._view_sets, split, self.data_version())
+            installed = _Views(self._view_sets, split, self.data_version(),
+                               frozen=self.layout.num_trainable < len(self.sharded_params))
             keep = functools.partial(_keep_alive, installed)
             grad_mode = torch.is_grad_enabled()
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
+                    installed.frozen = True
                 else:
                     self._trained_since_reduce[i] |= grad_mode
                     # Every node that consumed this view leads to its grad_fn: while one lives, a backward

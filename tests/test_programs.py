@@ -87,6 +87,7 @@ micro_batch = st.fixed_dictionaries({
 })
 step = st.fixed_dictionaries({
     "micro": st.lists(micro_batch, min_size=1, max_size=3),
+    "window": st.sampled_from(["no_sync", "fully_shard"]),  # model.no_sync() or set_requires_gradient_sync(False), as FSDP2 code does
     "unfreeze": st.booleans(),  # every parameter trains again before the clip and the step (else the last freezes stay)
     "clip": st.sampled_from([None, "torch", "model"]),  # torch.nn.utils.clip_grad_norm_ or model.clip_grad_norm_, to 0.05
     "step": st.sampled_from([True, True, False]),
@@ -104,7 +105,7 @@ def batch(seed: int, world: int, rows: str) -> torch.Tensor:
     return x
 
 
-def run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: bool = False, *, checkpointed: bool = False,
+def run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], perturb: bool = False, *, checkpointed: bool = False,
                 offload: str | None = None, hybrid: bool = False, max_unsharded: int = 2) -> list[dict[str, Any]]:
     """In float64: in float32 AdamW turns the last-bit differences between one process's batched
     sums and the ranks' split ones into 1e-5 over a few steps, where a wrong factor or a lost
@@ -119,13 +120,13 @@ def run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: 
         Branchy.checkpointed = False
 
 
-def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb: bool, offload: str | None, hybrid: bool,
+def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], perturb: bool, offload: str | None, hybrid: bool,
                  max_unsharded: int) -> list[dict[str, Any]]:
     """Run ``program`` on the wrapped model (this rank's rows) and on the unwrapped one (every
     row); after each step, the largest parameter and gradient differences and which gradients are
     None on each side. ``perturb``: the wrapped model skips its first unfreeze (the oracle's own
     check)."""
-    from shardwrap import Offload, ShardedModule, load_checkpoint, save_checkpoint
+    from shardwrap import Offload, ShardedModule, Stage, load_checkpoint, save_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -137,7 +138,7 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
 
     def wrap(net: nn.Module) -> Any:
         where = None if offload is None else Offload(offload, path=tempfile.mkdtemp(dir=scratch) if offload == "disk" else None)
-        return ShardedModule(net, auto_wrap_policy={Branchy}, stage=stage, offload=where, max_unsharded=max_unsharded,
+        return ShardedModule(net, auto_wrap_policy={Branchy}, stage=Stage(False, False) if stage == "keep" else stage, offload=where, max_unsharded=max_unsharded,
                              mesh=hybrid_mesh((2, 2)) if hybrid else None)
 
     model = wrap(net)
@@ -164,7 +165,9 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
                     ref(x)
                     model(x.chunk(world)[rank])
             last = i == len(spec["micro"]) - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            if spec["window"] == "fully_shard":
+                model.set_requires_gradient_sync(last)
+            with contextlib.nullcontext() if last or spec["window"] == "fully_shard" else model.no_sync():
                 local = x.chunk(world)[rank]
                 if mb["halves"]:  # (the mean of each half's squares, averaged: the mean of all)
                     losses = [sum(m(part).pow(2).mean() for part in xs.chunk(2)) / 2 for m, xs in ((ref, x), (model, local))]
@@ -226,7 +229,7 @@ def _run_program(stage: int, optim: str, program: list[dict[str, Any]], perturb:
     return out
 
 
-def check(world: int, stage: int, optim: str, program: list[dict[str, Any]], **options: Any) -> None:
+def check(world: int, stage: "int | str", optim: str, program: list[dict[str, Any]], **options: Any) -> None:
     for rank, steps in enumerate(run_on_ranks(world, run_program, stage, optim, program, timeout=90, **options)):
         for i, s in enumerate(steps):
             where = f"rank {rank}, after step {i} of {program}"
@@ -237,7 +240,8 @@ def check(world: int, stage: int, optim: str, program: list[dict[str, Any]], **o
 
 # SHARDWRAP_PROGRAMS=N runs N random programs instead of the suite's fixed 24 (a deeper search)
 @settings(max_examples=int(os.environ.get("SHARDWRAP_PROGRAMS", 24)), deadline=None, derandomize="SHARDWRAP_PROGRAMS" not in os.environ, suppress_health_check=list(HealthCheck))
-@given(program=st.lists(step, min_size=1, max_size=4), world=st.sampled_from([2, 2, 3, 4]), stage=st.sampled_from([1, 2, 3]),
+@given(program=st.lists(step, min_size=1, max_size=4), world=st.sampled_from([2, 2, 3, 4]),
+       stage=st.sampled_from([1, 2, 3, "keep"]),  # "keep": Stage(False, False), stage 2 that keeps its parameters between steps
        optim=st.sampled_from(["sgd", "adamw"]), checkpointed=st.booleans(), offload=st.sampled_from([None, None, "cpu", "disk"]),
        hybrid=st.booleans(), max_unsharded=st.sampled_from([1, 2, 3]))
 def test_generated_training_loops_match_one_process(program, world, stage, optim, checkpointed, offload, hybrid, max_unsharded):
@@ -252,6 +256,24 @@ def test_the_oracle_sees_an_unfreeze_the_wrapped_model_missed():
     trains it: the comparison must report it."""
     program = [{"micro": [{"frozen": {"blocks.0.a.weight"}, "late": set(), "rows": "all", "peek": False, "halves": False},
                           {"frozen": set(), "late": set(), "rows": "all", "peek": False, "halves": False}],
-                "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None, "restart": False}]
+                "window": "no_sync", "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None, "restart": False}]
     for rank_steps in run_on_ranks(2, run_program, 3, "sgd", program, True):
         assert rank_steps[0]["gap"] > 1e-4 or rank_steps[0]["grad_gap"] > 1e-4, rank_steps
+
+
+def test_a_unit_called_twice_whose_second_call_reads_only_frozen_parameters_on_some_ranks():
+    """Found by the generated loops: two forwards before one backward (each half of the rows), a
+    block whose ``a`` is frozen, and whose ``b`` the rows take on some ranks and halves only. A
+    call that read only frozen views has no split in the backward, so the unit was freed after the
+    other call's split and gathered again for it, on the ranks whose rows took that path only: the
+    others never joined the gather (stages 2 and 3 hung). Now such a call keeps the unit gathered
+    to the end of the backward."""
+    late = {"blocks.0.a.weight", "blocks.2.b.bias"}
+    program = [{"window": "no_sync", "unfreeze": True, "clip": None, "step": True, "zero": "none", "between": None,
+                "restart": False, "micro": [
+                    {"frozen": {"blocks.0.a.weight", "blocks.0.a.bias", "blocks.0.b.weight"}, "late": late, "rows": "none",
+                     "peek": False, "halves": False},
+                    {"frozen": {"blocks.2.a.weight", "blocks.2.a.bias", "blocks.0.b.weight"}, "late": late, "rows": "all",
+                     "peek": False, "halves": True}]}]
+    for stage in (2, 3):
+        check(2, stage, "sgd", program, max_unsharded=1)

@@ -130,7 +130,6 @@ class _Views:
     split: torch.autograd.graph.Node
     version: int
     checkpointed: bool = False
-    frozen: bool = False  # some of the views are of frozen parameters (constants to autograd)
 
 
 def _keep_alive(views: "_Views", *grads: object) -> None:
@@ -1125,15 +1124,16 @@ class Unit:
         for call in new:
             if torch._C._will_engine_execute_node(call.split):
                 self._awaited.append((call.number, task))
-            elif call.frozen and not call.checkpointed:
-                # A call whose views this backward does not reach (it may have read only frozen
-                # parameters, constants to autograd) may still get a gradient at its outputs, and
+            elif not call.checkpointed:
+                # A call whose views this backward does not reach (it read only frozen parameters,
+                # constants to autograd, or none) may still get a gradient at its outputs, and
                 # then reads the gathered parameters for its inputs' gradient, with no split to say
                 # when it is done. Freed after the other calls' splits, the unit would be gathered
                 # again for it: on the ranks whose rows took that path only, a gather the others
                 # never join (a hang, found by tests/test_programs.py). It stays gathered to the end
-                # of the backward, as a frozen unit does. (A call under HF's reentrant checkpoint
-                # is released by its nested backward: design/notes/activation-checkpointing.md.)
+                # of the backward, as a frozen unit does, unless a nested backward recomputes it
+                # (_views_done). A call under HF's reentrant checkpoint is left to its nested
+                # backward from the start (design/notes/activation-checkpointing.md).
                 self._held = True
         if task == root.outer_task:
             root.release_due_units()  # the nested backwards that ran before this are over
@@ -1276,6 +1276,11 @@ class Unit:
         task = torch._C._current_graph_task_id()
         if (number, task) in self._awaited:
             self._awaited.remove((number, task))
+        if task != self._root.outer_task:
+            # a reentrant checkpoint's recomputation reads the views: the calls whose splits the
+            # outer backward does not reach were read inside such a region, and the nested
+            # backwards release the unit as before
+            self._held = False
         self.release_if_done()
 
     def release_if_done(self) -> None:
@@ -1609,14 +1614,12 @@ class Unit:
             # gradient"), or give the slots back (stage 1)
             self._view_sets += 1
             split.register_prehook(_weak(self._views_done, self._view_sets))
-            installed = _Views(self._view_sets, split, self.data_version(),
-                               frozen=self.layout.num_trainable < len(self.sharded_params))
+            installed = _Views(self._view_sets, split, self.data_version())
             keep = functools.partial(_keep_alive, installed)
             grad_mode = torch.is_grad_enabled()
             for i, param in enumerate(self.sharded_params[: self.layout.num_trainable]):
                 if not param.requires_grad:  # frozen after wrapping: a constant, as autograd treats a frozen leaf
                     views[i] = views[i].detach()
-                    installed.frozen = True
                 else:
                     self._trained_since_reduce[i] |= grad_mode
                     # Every node that consumed this view leads to its grad_fn: while one lives, a backward

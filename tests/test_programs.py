@@ -277,3 +277,53 @@ def test_a_unit_called_twice_whose_second_call_reads_only_frozen_parameters_on_s
                      "peek": False, "halves": True}]}]
     for stage in (2, 3):
         check(2, stage, "sgd", program, max_unsharded=1)
+
+
+class Skipping(nn.Module):
+    """Returns ``2 x`` without reading its parameters while ``skip`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.skip else x + torch.tanh(self.lin(x))
+
+
+def train_with_a_call_reading_no_parameter(stage: int) -> float:
+    """Two forwards (each half of the rows) before one backward; on rank 0 the first call of the
+    block reads no parameter. Returns the largest parameter difference from one process."""
+    from shardwrap import ShardedModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref, net = (nn.Sequential(nn.Linear(DIM, DIM), Skipping(), nn.Linear(DIM, 3)) for _ in range(2))
+    net.load_state_dict(ref.state_dict())
+    model = ShardedModule(net, auto_wrap_policy={Skipping}, stage=stage)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    for step in range(2):
+        x = torch.randn(4 * world, DIM, generator=torch.Generator().manual_seed(step))
+        ref_losses, losses = [], []
+        for r in range(world):  # one process: each rank's halves, in the same order, with the same skips
+            for i, part in enumerate(x.chunk(world)[r].chunk(2)):
+                ref[1].skip = r == 0 and i == 0
+                ref_losses.append(ref(part).pow(2).mean())
+        for i, part in enumerate(x.chunk(world)[rank].chunk(2)):
+            model.module[1].skip = rank == 0 and i == 0
+            losses.append(model(part).pow(2).mean())
+        (sum(ref_losses) / len(ref_losses)).backward()
+        (sum(losses) / len(losses)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = model.full_state_dict(rank0_only=False)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+def test_a_unit_called_twice_whose_first_call_reads_no_parameter_on_some_ranks():
+    """The same hang with a call that reads no parameter at all (no frozen view marks it): on the
+    rank that skipped, the unit was gathered again for that call after the other call's split."""
+    for stage in (2, 3):
+        for gap in run_on_ranks(2, train_with_a_call_reading_no_parameter, stage, timeout=60):
+            assert gap < 1e-5, (stage, gap)

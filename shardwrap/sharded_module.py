@@ -2008,8 +2008,8 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         ``p.to_local()``: an EMA teacher updated so): a unit left gathered (every unit at stage
         1; at stages 2 and 3, between forwards that share one backward) then gathers again at its
         next forward instead of computing with the rows it gathered before. On a CPU the root
-        finds such writes itself (``_catch_unseen_writes``), except to a parameter with fewer rows
-        than ranks; those, a GPU and a shard on disk need this. Local: call it on every rank, as
+        finds such writes itself (``_catch_unseen_writes``), except to a parameter some rank holds
+        no rows of; those, a GPU and a shard on disk need this. Local: call it on every rank, as
         the write was made."""
         for unit in self._units:
             unit.mark_written()

@@ -7,8 +7,10 @@ three micro-batches (all but the last under ``no_sync``); before each micro-batc
 are frozen or unfrozen by name, as fine-tuning code does, and the global batch decides which
 ranks' rows take each block's data-dependent branch. After them the step clips or not, steps or
 skips the step, and zeroes the gradients to None, to zeros, or not at all; between steps a forward
-may run under ``no_grad`` or with its output dropped, and the run may restart from a checkpoint
-(``save_checkpoint``, then a new model and optimizer that ``load_checkpoint``). The unwrapped model runs the same program in
+may run under ``no_grad`` or with its output dropped, some parameters may be scaled (as an EMA or
+a hand-made decay writes them), and the run may restart from a checkpoint into a new model and
+optimizer (shardwrap's, torch's ``get_state_dict`` with DCP, or full state dicts). A step may first
+switch stage through ``fully_shard``'s ``set_reshard_after_*`` or call its ``unshard()``. The unwrapped model runs the same program in
 one process on the whole global batch, in float64; after every step each parameter, each gradient
 and each ``p.grad is None`` must match.
 """
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from harness import run_on_ranks
 from parity import expected_chunk, hybrid_mesh
@@ -89,11 +92,23 @@ step = st.fixed_dictionaries({
     "micro": st.lists(micro_batch, min_size=1, max_size=3),
     "window": st.sampled_from(["no_sync", "fully_shard"]),  # model.no_sync() or set_requires_gradient_sync(False), as FSDP2 code does
     "unfreeze": st.booleans(),  # every parameter trains again before the clip and the step (else the last freezes stay)
-    "clip": st.sampled_from([None, "torch", "model"]),  # torch.nn.utils.clip_grad_norm_ or model.clip_grad_norm_, to 0.05
+    # torch.nn.utils.clip_grad_norm_ or model.clip_grad_norm_ (to 0.05), or torch's clip_grad_value_ (to 0.01)
+    "clip": st.sampled_from([None, "torch", "model", "value"]),
     "step": st.sampled_from([True, True, False]),
     "zero": st.sampled_from(["none", "zeros", "keep", "module"]),  # opt.zero_grad(set_to_none=...), none, model.zero_grad()
     "between": st.sampled_from([None, None, "no_grad", "dropped"]),
-    "restart": st.sampled_from([False, False, False, True]),  # saved, then a new model and optimizer load it (after zeroing to None)
+    # saved, then a new model and optimizer load it (after zeroing to None): shardwrap's save_checkpoint/load_checkpoint;
+    # torch's get_state_dict, dcp.save, dcp.load, set_state_dict; full state dicts on every rank; on rank 0, broadcast
+    "restart": st.sampled_from([False, False, False, False, "shardwrap", "dcp", "full", "rank0"]),
+    # between steps (after the zeroing), the named parameters scaled by 0.9, as an EMA or a hand-made decay does:
+    # in place under no_grad, through .data (no version counter sees it), or on the full copies of summon_full_params
+    "write": st.sampled_from([None, None, None, "no_grad", "data", "summon"]),
+    "written": st.sets(st.sampled_from(FREEZABLE), min_size=1, max_size=3),
+    # before the step's first micro-batch (stages 2 and 3 only): fully_shard's set_reshard_after_forward and
+    # set_reshard_after_backward, to stage 2, stage 3 or Stage(False, False)
+    "restage": st.sampled_from([None, None, None, 2, 3, "keep"]),
+    # before the step's first micro-batch: fully_shard's unshard() on the root, or async on a block (not waited for)
+    "unshard": st.sampled_from([None, None, None, "root", "block"]),
 })
 
 
@@ -126,7 +141,7 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
     row); after each step, the largest parameter and gradient differences and which gradients are
     None on each side. ``perturb``: the wrapped model skips its first unfreeze (the oracle's own
     check)."""
-    from shardwrap import Offload, ShardedModule, Stage, load_checkpoint, save_checkpoint
+    from shardwrap import Offload, ShardedModule, Stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -150,6 +165,18 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
     seed = 0
     out = []
     for spec in program:
+        if spec.get("restage") is not None and stage in (2, 3, "keep"):
+            to = spec["restage"]
+            if to == "keep":
+                model.set_reshard_after_forward(False)
+                model.set_reshard_after_backward(False)
+            else:
+                model.set_reshard_after_backward(True)
+                model.set_reshard_after_forward(to == 3)
+        if spec.get("unshard") == "root":
+            model.unshard()
+        elif spec.get("unshard") == "block":
+            model.module.blocks[1].unshard(async_op=True)
         for i, mb in enumerate(spec["micro"]):
             for name in FREEZABLE:
                 want = name not in mb["frozen"]
@@ -183,7 +210,10 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
                 p.requires_grad_(True)
             for p in params.values():
                 p.requires_grad_(True)
-        if spec["clip"] is not None:
+        if spec["clip"] == "value":
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        elif spec["clip"] is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             if spec["clip"] == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -209,15 +239,32 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
             with torch.no_grad() if spec["between"] == "no_grad" else contextlib.nullcontext():
                 ref(x)
                 model(x.chunk(world)[rank])
+        if spec.get("write") is not None:
+            for name in sorted(spec["written"]):
+                ref_params[name].data.mul_(0.9)
+            if spec["write"] == "summon":
+                with model.summon_full_params():
+                    full_params = dict(model.named_parameters())
+                    with torch.no_grad():
+                        for name in sorted(spec["written"]):
+                            full_params[name].mul_(0.9)
+            else:
+                with torch.no_grad():
+                    for name in sorted(spec["written"]):
+                        (params[name].data if spec["write"] == "data" else params[name]).mul_(0.9)
+                if spec["write"] == "data" and (offload == "disk" or shards == 4):
+                    # where the forward's check of unseen writes does not look (a shard on disk; a
+                    # rank with no rows of a 6-row weight), the documented remedy; it runs elsewhere
+                    model.mark_written()
         if spec["restart"] and spec["zero"] in ("none", "module"):  # (a checkpoint holds no gradients)
             seed += 1
-            save_checkpoint(f"{checkpoints}/{seed}", model, opt)
-            del model, opt, params
-            torch.manual_seed(seed)  # other initial values, which the load must overwrite
-            model = wrap(Net())
-            opt = make(model.parameters())
-            load_checkpoint(f"{checkpoints}/{seed}", model, opt)
+            model, opt = restart(spec["restart"], f"{checkpoints}/{seed}", seed, model, opt, wrap, make)
             params = dict(model.named_parameters())
+            if spec["restart"] in ("full", "rank0"):  # one process runs the same code (see restart)
+                ref, ref_opt = restart(spec["restart"], "", seed, ref, ref_opt, lambda net: net, make)
+                ref_params = dict(ref.named_parameters())
+            elif spec["restart"] == "dcp":
+                get_state_dict(ref, ref_opt)  # (its initialising step, where ref_opt has no state yet)
         full = model.full_state_dict(rank0_only=False)
         gap = max((full[n] - p.detach()).abs().max().item() for n, p in ref_params.items())
         out.append({"gap": gap, "grad_gap": grad_gap, "none_ref": none_ref, "none_got": none_got})
@@ -227,6 +274,54 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
     if rank == 0:
         shutil.rmtree(checkpoints, ignore_errors=True)
     return out
+
+
+def restart(how: str, path: str, seed: int, model: Any, opt: torch.optim.Optimizer, wrap: Any, make: Any) -> tuple[Any, torch.optim.Optimizer]:
+    """Save ``model`` and ``opt`` one of four ways, then build a new model (other initial values)
+    and optimizer and load them into it.
+
+    torch's ``get_state_dict`` and ``set_optimizer_state_dict`` first run a step with zero
+    gradients and lr 0 on an optimizer that has no state yet (no step taken): SGD's weight decay
+    leaves a momentum of ``0.05 p``, AdamW a step count of 1. ``get_state_dict`` does it to the
+    optimizer being saved; a full state dict's load keeps it for a parameter the saved state lacks
+    (one frozen, or never used, so far). One process running the same code gets the same (checked
+    by hand: 2.1e-3 apart from a run without the restart), so the unwrapped model goes through the
+    same ``get_state_dict`` (and for full state dicts the same load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict, set_state_dict
+
+    from shardwrap import load_checkpoint, save_checkpoint
+
+    if how == "shardwrap":
+        save_checkpoint(path, model, opt)
+    elif how == "dcp":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:  # full state dicts: on every rank, or on rank 0 alone (cpu_offload), broadcast from it on loading
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=how == "rank0"))
+    del model, opt
+    torch.manual_seed(seed)  # other initial values, which the load must overwrite
+    model = wrap(Net())
+    opt = make(model.parameters())
+    if how == "shardwrap":
+        load_checkpoint(path, model, opt)
+    elif how == "dcp":
+        new_msd, new_osd = get_state_dict(model, opt)
+        # torch's template has a state for every parameter (get_state_dict runs a step with zero
+        # gradients on a fresh optimizer); the saved one none for a parameter that never had a
+        # gradient (``dead``), and dcp.load refuses a template key the checkpoint lacks: keep the saved ones
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        new_osd["state"] = {fqn: kept for fqn, values in new_osd["state"].items()
+                            if (kept := {k: v for k, v in values.items() if f"optim.state.{fqn}.{k}" in saved})}
+        state = {"model": new_msd, "optim": new_osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))  # (the same missing states: torch's own check)
+    else:  # (model and optimizer apart: set_state_dict takes a rank's empty model state dict for "optimizer only")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=how == "rank0", strict=False)
+        set_model_state_dict(model, msd, options=options)
+        set_optimizer_state_dict(model, opt, osd, options=options)
+    return model, opt
 
 
 def check(world: int, stage: "int | str", optim: str, program: list[dict[str, Any]], **options: Any) -> None:

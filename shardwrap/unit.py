@@ -1160,25 +1160,23 @@ class Unit:
         hook): pack it for the reduce-scatter, reshard, start the reduce-scatters now due."""
         root = self._root
         root.begin_backward()
-        if root._sync and torch._C._current_graph_task_id() != root.outer_task and any(
-                task == root.outer_task for _, task in self._awaited):
-            # A reentrant checkpoint inside the unit's forward: its recomputation's nested backward
-            # brought this part of the gradient, and the outer backward will still run a split of
-            # this unit's views (a part of the forward outside the region read trainable
-            # parameters), bringing the rest into the same gradient. Whether it does can differ
-            # between ranks (a data-dependent branch), so the one reduce-scatter waits for it here;
-            # a rank without it reduces now. Reducing twice, where a peer reduces once, hung
-            # (design/notes/activation-checkpointing.md, "Reentrant checkpointing inside a unit's forward").
-            self._grad_arrived()
-            return
         self._grad_arrived()
-        if root._sync:
+        # A reentrant checkpoint inside the unit's forward: its recomputation's nested backward
+        # brought this part of the gradient, and the outer backward will still run a split of
+        # this unit's views (the forward read trainable parameters outside the region), bringing
+        # the rest into the same gradient. Whether it does can differ between ranks (a branch some
+        # ranks' rows take), so the one reduce-scatter waits for that arrival; a rank without it
+        # reduces now. Reducing twice where a peer reduced once hung (design/notes/activation-checkpointing.md,
+        # "Reentrant checkpointing inside a unit's forward").
+        deferred = root._sync and torch._C._current_graph_task_id() != root.outer_task and any(
+            task == root.outer_task for _, task in self._awaited)
+        if root._sync and not deferred:
             self.pack_grad()
-        else:
+        elif not root._sync:
             self._accumulate_in_reduce_dtype()
         self.release_if_done()
         self.training_state = TrainingState.IDLE
-        if root._sync:
+        if root._sync and not deferred:
             root.start_due_reductions()
         root.schedule.unit_backward_done()
         root.prefetch_backward()

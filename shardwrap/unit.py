@@ -1168,15 +1168,15 @@ class Unit:
         # ranks' rows take), so the one reduce-scatter waits for that arrival; a rank without it
         # reduces now. Reducing twice where a peer reduced once hung (design/notes/activation-checkpointing.md,
         # "Reentrant checkpointing inside a unit's forward").
-        deferred = root._sync and torch._C._current_graph_task_id() != root.outer_task and any(
-            task == root.outer_task for _, task in self._awaited)
-        if root._sync and not deferred:
+        reduce_now = root._sync and not (torch._C._current_graph_task_id() != root.outer_task and any(
+            task == root.outer_task for _, task in self._awaited))
+        if reduce_now:
             self.pack_grad()
         elif not root._sync:
             self._accumulate_in_reduce_dtype()
         self.release_if_done()
         self.training_state = TrainingState.IDLE
-        if root._sync and not deferred:
+        if reduce_now:
             root.start_due_reductions()
         root.schedule.unit_backward_done()
         root.prefetch_backward()

@@ -28,7 +28,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.state_dict import get_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from harness import run_on_ranks
 from parity import expected_chunk, hybrid_mesh
@@ -300,9 +302,6 @@ def restart(how: str, path: str, seed: int, model: Any, opt: torch.optim.Optimiz
     (one frozen, or never used, so far). One process running the same code gets the same (checked
     by hand: 2.1e-3 apart from a run without the restart), so the unwrapped model goes through the
     same ``get_state_dict`` (and for full state dicts the same load)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict, set_state_dict
-
     from shardwrap import load_checkpoint, save_checkpoint
 
     if how == "shardwrap":

@@ -520,6 +520,9 @@ class Unit:
         self._forward_views: _Views | None = None
         self._awaited: list[tuple[int, int]] = []
         self._held = False  # a forward call this backward's splits do not cover: keep gathered to its end
+        # the forward calls whose outputs no gradient has reached yet in this backward (another
+        # call's did), by number: whether each is under a reentrant checkpoint (``_waits_for_a_call``)
+        self._unstarted: dict[int, bool] = {}
         self.release_due = False
         self._calls: list[weakref.ref[_Views]] = []
         self._calls_task = -1
@@ -1026,6 +1029,12 @@ class Unit:
     def _post_forward(self, module: nn.Module, output: Any) -> Any:
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
+            if torch._C._current_graph_task_id() == root.outer_task:
+                # a reentrant region's nested backward comes next; the outer backward's next hook
+                # frees the unit unless a running backward still reads it, on every rank, whether or
+                # not that nested backward reached the unit's split (design/notes/activation-checkpointing.md,
+                # "Two calls before one backward")
+                self.release_due = True
             return output
         if self._reentered:  # an inner call ended; the outer one still runs
             self._reentered -= 1
@@ -1135,6 +1144,10 @@ class Unit:
                 # (_views_done). A call under HF's reentrant checkpoint is left to its nested
                 # backward from the start (design/notes/activation-checkpointing.md).
                 self._held = True
+            if call is not views:  # its backward is still to begin (_waits_for_a_call)
+                self._unstarted[call.number] = call.checkpointed
+        if views is not None:
+            self._unstarted.pop(views.number, None)
         if task == root.outer_task:
             root.release_due_units()  # the nested backwards that ran before this are over
         self._gather_for_backward()
@@ -1168,7 +1181,7 @@ class Unit:
         # ranks' rows take), so the one reduce-scatter waits for that arrival; a rank without it
         # reduces now. Reducing twice where a peer reduced once hung (design/notes/activation-checkpointing.md,
         # "Reentrant checkpointing inside a unit's forward").
-        reduce_now = root._sync and not (torch._C._current_graph_task_id() != root.outer_task and any(
+        reduce_now = root._sync and not self._waits_for_a_call() and not (torch._C._current_graph_task_id() != root.outer_task and any(
             task == root.outer_task for _, task in self._awaited))
         if reduce_now:
             self.pack_grad()
@@ -1292,6 +1305,24 @@ class Unit:
             self._held = False
         self.release_if_done()
 
+    def _waits_for_a_call(self) -> bool:
+        """Whether the unit must stay gathered, and its gradient unreduced, until another forward
+        call's backward has begun (``pre_backward`` lists them in ``_unstarted``).
+
+        Where a reentrant checkpoint is involved, how a call reads the unit in backward depends on
+        the rows: its split awaited by the outer backward (a branch outside the region), its
+        outputs straight out of the region (``checkpointed``: the nested backward reads it), or
+        held (a frozen branch). Each kind freed the unit and reduced its gradient at another point,
+        so two calls before one backward gathered and reduced once on some ranks and twice on
+        others (a hang). So: in a nested backward, and while a call under a reentrant region is
+        still to come, wait for every call on every rank. Without one, nothing frees the unit
+        early (awaited calls keep it, held ones hold it) and a call still to come brings no later
+        part, so the gradient reduces at once: a forward whose loss has its own later backward
+        keeps its overlap (design/notes/activation-checkpointing.md, "Two calls before one
+        backward")."""
+        return bool(self._unstarted) and (
+            torch._C._current_graph_task_id() != self._root.outer_task or any(self._unstarted.values()))
+
     def release_if_done(self) -> None:
         """A backward may be done with the gathered parameters (a split or the flat gradient's
         hook ran): unless a running backward still awaits a set of views, put the shards back in
@@ -1299,7 +1330,7 @@ class Unit:
         checkpoint's) that waits for the outermost backward: the backward that started it may
         still read the views, and a later recomputation may read the slots
         (design/notes/activation-checkpointing.md, "When backward is done with a unit")."""
-        if self._awaited or self._held:
+        if self._awaited or self._held or self._waits_for_a_call():
             return
         root = self._root
         if torch._C._current_graph_task_id() != root.outer_task:
@@ -1320,7 +1351,7 @@ class Unit:
         """The end of backward: views of forward calls whose outputs got no gradient are not
         waited for."""
         self._awaited, self.release_due, self._calls, self._calls_task = [], False, [], -1
-        self._held = False
+        self._held, self._unstarted = False, {}
 
     # ---- data-state transitions ---------------------------------------------------------------
 

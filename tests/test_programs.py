@@ -337,7 +337,7 @@ def restart(how: str, path: str, seed: int, model: Any, opt: torch.optim.Optimiz
 
 
 def check(world: int, stage: "int | str", optim: str, program: list[dict[str, Any]], **options: Any) -> None:
-    for rank, steps in enumerate(run_on_ranks(world, run_program, stage, optim, program, timeout=90, **options)):
+    for rank, steps in enumerate(run_on_ranks(world, run_program, stage, optim, program, timeout=int(os.environ.get("SHARDWRAP_PROGRAMS_TIMEOUT", 90)), **options)):
         for i, s in enumerate(steps):
             where = f"rank {rank}, after step {i} of {program}"
             assert s["none_got"] == s["none_ref"], f"p.grad is None differs ({s}), {where}"
@@ -346,7 +346,8 @@ def check(world: int, stage: "int | str", optim: str, program: list[dict[str, An
 
 
 # SHARDWRAP_PROGRAMS=N runs N random programs instead of the suite's fixed 24 (a deeper search),
-# reporting the first failing one as it was drawn (shrinking a hang costs a timeout per attempt)
+# reporting the first failing one as it was drawn (shrinking a hang costs a timeout per attempt;
+# SHARDWRAP_PROGRAMS_TIMEOUT shortens the 90 s a program may take)
 DEEP = "SHARDWRAP_PROGRAMS" in os.environ
 
 
@@ -360,11 +361,6 @@ def test_generated_training_loops_match_one_process(program, world, stage, optim
     hybrid = hybrid and world == 4  # W = 4 runs as a (2, 2) mesh or a flat one
     if checkpointed:  # a freeze between a checkpointed forward and its recomputation fails in one process too
         program = [{**spec, "micro": [{**mb, "late": set()} for mb in spec["micro"]]} for spec in program]
-    if checkpointed in ("reentrant", "hf"):
-        # OPEN (stop 55): two forwards before one backward, a reentrant region inside each block and
-        # its b branch on some ranks' rows hang (design/notes/activation-checkpointing.md, "Open: a
-        # unit called twice with a reentrant region inside"), so not generated
-        program = [{**spec, "micro": [{**mb, "halves": False} for mb in spec["micro"]]} for spec in program]
     check(world, stage, optim, program, checkpointed=checkpointed, offload=offload, hybrid=hybrid, max_unsharded=max_unsharded)
 
 
@@ -460,4 +456,31 @@ def test_a_reentrant_region_inside_a_unit_whose_trainable_branch_some_ranks_take
                 "step": True, "zero": "none", "between": None, "restart": False}]
     for stage in (1, 2, 3):
         check(2, stage, "sgd", program, checkpointed="reentrant")
+    check(3, 3, "adamw", program, checkpointed="reentrant")
+
+
+def test_two_calls_before_one_backward_under_a_reentrant_checkpoint_with_a_branch_some_ranks_take():
+    """Found by the generated loops: two forwards (each half of the rows) before one backward,
+    each block's ``a`` under a reentrant checkpoint (or the whole block, as HF's layers are), and
+    its ``b`` on some ranks' rows only. A rank whose outputs came straight out of the region reduced
+    at the first call's nested backward and freed the unit, then gathered and reduced again for
+    the second call, where a peer whose ``b`` part kept the unit waited for its outer part: stages
+    1-3 hung. With the whole block in the region and ``a`` frozen, the rank whose recomputation
+    reached no trainable parameter kept the unit gathered where its peer freed it: stage 2 hung and
+    stage 3 raised "ranks disagree". With ``b`` frozen, the rank whose rows took it held the unit
+    until a nested backward freed it (stage 3 hung). Now the unit stays gathered, and its gradient
+    unreduced, until every call's backward has begun, and every recomputed unit is freed after its
+    nested backward on every rank."""
+    def micro(rows: str, frozen: set[str]) -> dict[str, Any]:
+        return {"frozen": frozen, "late": set(), "rows": rows, "peek": False, "halves": True}
+    a0, b1 = {"blocks.0.a.weight", "blocks.0.a.bias"}, {"blocks.1.b.weight", "blocks.1.b.bias"}
+    program = [{"micro": [micro("first rank", set())], "window": "no_sync", "unfreeze": True, "clip": None, "step": True,
+                "zero": "none", "between": None, "restart": False},
+               {"micro": [micro("last rank", a0)], "window": "no_sync", "unfreeze": True, "clip": None,
+                "step": True, "zero": "none", "between": None, "restart": False},
+               {"micro": [micro("last rank", b1)], "window": "no_sync", "unfreeze": True, "clip": None,
+                "step": True, "zero": "none", "between": None, "restart": False}]
+    for checkpointed in ("reentrant", "hf"):
+        for stage in (1, 2, 3):
+            check(2, stage, "sgd", program, checkpointed=checkpointed)
     check(3, 3, "adamw", program, checkpointed="reentrant")

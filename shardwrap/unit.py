@@ -1029,12 +1029,13 @@ class Unit:
     def _post_forward(self, module: nn.Module, output: Any) -> Any:
         root = self._root
         if root.in_backward():  # a recomputation ran to the end: keep data and views for backward
-            if torch._C._current_graph_task_id() == root.outer_task:
-                # a reentrant region's nested backward comes next; the outer backward's next hook
-                # frees the unit unless a running backward still reads it, on every rank, whether or
-                # not that nested backward reached the unit's split (design/notes/activation-checkpointing.md,
-                # "Two calls before one backward")
-                self.release_due = True
+            recomputed = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+            if recomputed and torch._C._current_graph_task_id() == root.outer_task:
+                # A reentrant region's nested backward will start from these outputs' gradient: from
+                # then on the outer backward's next hook may free the unit (the nested one is over
+                # by then), on every rank, whether or not it reaches the unit's split
+                # (design/notes/activation-checkpointing.md, "Two calls before one backward")
+                register_multi_grad_hook(recomputed, _weak(self._recomputation_read), mode="any")
             return output
         if self._reentered:  # an inner call ended; the outer one still runs
             self._reentered -= 1
@@ -1100,6 +1101,10 @@ class Unit:
         if self.index == 0:
             root.root_post_forward()
         return output
+
+    def _recomputation_read(self, grads: object) -> None:
+        """The nested backward of a reentrant region that recomputed this unit has begun."""
+        self.release_due = True
 
     def pre_backward(self, views: "_Views | None" = None) -> None:
         """The first gradient reached the outputs of one of the unit's forward calls (``views``:

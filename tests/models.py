@@ -442,21 +442,26 @@ class CheckpointedMLP(MLP):
     """``MLP`` whose forward runs each Block through ``torch.utils.checkpoint.checkpoint`` while
     training: ``checkpoint`` is None (plain), "reentrant", "non_reentrant" or "selective"
     (non-reentrant, with ``selective_context``). ``twice``: the first Block runs twice in a row,
-    inside one checkpointed region (a unit called twice in one region)."""
+    inside one checkpointed region (a unit called twice in one region). ``span``: the first two
+    Blocks run inside one region (a region that recomputes two units)."""
 
-    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False) -> None:
+    def __init__(self, dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False,
+                 span: bool = False) -> None:
         super().__init__(dim, depth, out)
         if checkpoint not in (None, "reentrant", "non_reentrant", "selective"):
             raise ValueError(f"checkpoint={checkpoint!r}")
         self.checkpoint = checkpoint
         self.twice = twice
+        self.span = span
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         x = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            run = (lambda y, b=block: b(b(y))) if self.twice and i == 0 else block
+        runs: list[Any] = [(lambda y, b=block: b(b(y))) if self.twice and i == 0 else block for i, block in enumerate(self.blocks)]
+        if self.span:
+            runs[:2] = [lambda y, first=runs[0], second=runs[1]: second(first(y))]
+        for run in runs:
             if self.checkpoint is not None and self.training:
                 if self.checkpoint == "selective":
                     x = checkpoint(run, x, use_reentrant=False, context_fn=selective_context())
@@ -467,8 +472,9 @@ class CheckpointedMLP(MLP):
         return self.head(x)
 
 
-def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False) -> nn.Module:
-    return CheckpointedMLP(dim, depth, out, checkpoint, twice)
+def checkpointed_mlp(dim: int = 16, depth: int = 3, out: int = 5, checkpoint: str | None = None, twice: bool = False,
+                     span: bool = False) -> nn.Module:
+    return CheckpointedMLP(dim, depth, out, checkpoint, twice, span)
 
 
 class InnerCheckpointBlock(Block):

@@ -7,6 +7,10 @@ Variants:
   twice_reentrant / twice_non_reentrant
                                     the first Block runs twice inside one checkpointed region: the
                                     unit must stay gathered until both calls' backward is done
+  span_reentrant / span_non_reentrant
+                                    the first two Blocks run inside one checkpointed region: the
+                                    recomputation of the second must not free the first, whose
+                                    recomputed activations the nested backward still reads
   inside_reentrant / inside_non_reentrant
                                     each Block checkpoints part of its own forward
                                     (``models.inner_checkpointed_mlp``): the unit's gradient
@@ -79,6 +83,8 @@ VARIANTS = {
     "fn_selective": ("checkpointed_mlp", {**_MLP, "checkpoint": "selective"}, "Block", "regression"),
     "twice_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant", "twice": True}, "Block", "regression"),
     "twice_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant", "twice": True}, "Block", "regression"),
+    "span_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "reentrant", "span": True}, "Block", "regression"),
+    "span_non_reentrant": ("checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant", "span": True}, "Block", "regression"),
     "inside_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "reentrant"}, "Block", "regression"),
     "inside_non_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "non_reentrant"}, "Block", "regression"),
     "late_reentrant": ("inner_checkpointed_mlp", {**_MLP, "checkpoint": "reentrant", "part": "late"}, "Block", "regression"),

@@ -897,6 +897,15 @@ def _refuse_resize(name: str) -> Callable[..., NoReturn]:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
+class PendingGraph:
+    """The autograd graph of one root forward, for ``ShardedModule._pending_graphs``."""
+
+    __slots__ = ("number", "__weakref__")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
 class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[misc]  # wider argument types
     """Shard ``module``'s parameters over a 1-D mesh, ZeRO stage ``stage`` (3 by default; a
     ``shardwrap.Stage`` gives the switches directly).
@@ -1047,6 +1056,12 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         count_group = group if device.type == "cpu" else None  # see CollectiveSchedule
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self._expect_backward = False  # a unit's outputs require grad: a backward will follow
+        # The root forwards whose outputs need a gradient and that no backward has reached yet, nor
+        # freed (numbers): while one is left, a backward keeps the units' ``recomputable`` marks
+        # for the one that will reach it (design/notes/activation-checkpointing.md, "Recomputed on
+        # some ranks")
+        self._pending_graphs: set[int] = set()
+        self._graphs_made = 0
         self.outer_task = -1  # the autograd graph task of the running backward (begin_backward)
         self._steps_done = 0  # backward passes finished (error messages name the step)
         # Optimizer steps that wrote this model's parameters, and passes dropped by _recover: every
@@ -1725,6 +1740,18 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 unit.reshard()
             self.finish_host_copies()  # offload on a GPU: nothing reads the host shards in flight after an evaluation
 
+    def graph_made(self) -> "PendingGraph":
+        """A root forward whose outputs need a gradient: pending until ``graph_reached`` or until
+        its graph is freed (the returned object lives exactly as long as the hook on its outputs)."""
+        self._graphs_made += 1
+        graph = PendingGraph(self._graphs_made)
+        self._pending_graphs.add(graph.number)
+        weakref.finalize(graph, self._pending_graphs.discard, graph.number)
+        return graph
+
+    def graph_reached(self, graph: "PendingGraph") -> None:
+        self._pending_graphs.discard(graph.number)
+
     def begin_backward(self) -> None:
         if self._state is TrainingState.BACKWARD:
             return
@@ -1871,8 +1898,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 elif unit.recomputable and unit.trains and unit.index not in self._reduced_now:
                     # recomputed (and reduced) on other ranks only: this rank's zeros pair with theirs
                     self._start_reduction(unit)
-            for unit in recomputable:
-                unit.recomputable = False
+            if not self._pending_graphs:
+                for unit in recomputable:
+                    unit.recomputable = False
             if self.replicate_group is not None:
                 self._start_replica_reductions(final=True)
                 self._replicas_started = 0

@@ -1076,7 +1076,8 @@ class Unit:
         if grad_mode:
             root.schedule.finished_forward(trains)
         if wants_grad:
-            register_multi_grad_hook(wants_grad, lambda grads: self.pre_backward(views), mode="any")
+            graph = root.graph_made() if self.index == 0 else None
+            register_multi_grad_hook(wants_grad, lambda grads: self._outputs_reached(views, graph), mode="any")
             if views is not None:
                 views.checkpointed = any(type(t.grad_fn).__name__ == "CheckpointFunctionBackward" for t in wants_grad)
                 self._calls = [call for call in self._calls if call() is not None]
@@ -1101,6 +1102,13 @@ class Unit:
         if self.index == 0:
             root.root_post_forward()
         return output
+
+    def _outputs_reached(self, views: "_Views | None", graph: Any) -> None:
+        """A gradient reached the outputs of one of the unit's forward calls (``graph``: the root
+        forward's ``PendingGraph``, for the root unit)."""
+        if graph is not None:
+            self._root.graph_reached(graph)
+        self.pre_backward(views)
 
     def _recomputation_read(self, grads: object) -> None:
         """The nested backward of a reentrant region that recomputed this unit has begun."""

@@ -101,7 +101,8 @@ micro_batch = st.fixed_dictionaries({
     "late": st.sets(st.sampled_from(FREEZABLE), max_size=2),  # frozen after the forward, before its backward
     "rows": st.sampled_from(ROWS),
     "peek": st.sampled_from([False, False, True]),  # a no_grad forward first (logging inside an accumulation window)
-    "halves": st.sampled_from([False, False, True]),  # two forwards (each half of the rows), one backward of their sum
+    # two forwards (each half of the rows), one backward of their sum, or a backward each ("separate")
+    "halves": st.sampled_from([False, False, True, "separate"]),
 })
 step = st.fixed_dictionaries({
     "micro": st.lists(micro_batch, min_size=1, max_size=3),
@@ -211,7 +212,9 @@ def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], 
                 model.set_requires_gradient_sync(last)
             with contextlib.nullcontext() if last or spec["window"] == "fully_shard" else model.no_sync():
                 local = x.chunk(world)[rank]
-                if mb["halves"]:  # (the mean of each half's squares, averaged: the mean of all)
+                if mb["halves"] == "separate":  # both forwards first, then each half's backward
+                    losses = [m(part).pow(2).mean() / 2 for m, xs in ((ref, x), (model, local)) for part in xs.chunk(2)]
+                elif mb["halves"]:  # (the mean of each half's squares, averaged: the mean of all)
                     losses = [sum(m(part).pow(2).mean() for part in xs.chunk(2)) / 2 for m, xs in ((ref, x), (model, local))]
                 else:
                     losses = [ref(x).pow(2).mean(), model(local).pow(2).mean()]
@@ -484,3 +487,18 @@ def test_two_calls_before_one_backward_under_a_reentrant_checkpoint_with_a_branc
         for stage in (1, 2, 3):
             check(2, stage, "sgd", program, checkpointed=checkpointed)
     check(3, 3, "adamw", program, checkpointed="reentrant")
+
+
+def test_two_forwards_then_a_backward_each_with_whole_blocks_under_a_reentrant_checkpoint():
+    """Found by the generated loops: two forwards, then one backward for each (HF's layout: whole
+    blocks under a reentrant checkpoint), block 0's ``a`` frozen and its ``b`` on the first rank's
+    rows only. The first backward's end cleared the marks that make every rank reduce a unit a
+    reentrant checkpoint may recompute on some ranks only, so in the second backward only the rank
+    that recomputed block 0 with a gradient reduced it (every stage hung). Now the marks stay while
+    another forward's graph is still to be reached by a backward."""
+    micro = {"frozen": {"blocks.0.a.weight", "blocks.0.a.bias"}, "late": set(), "rows": "first rank", "peek": False,
+             "halves": "separate"}
+    program = [{"micro": [micro], "window": "no_sync", "unfreeze": False, "clip": None, "step": True, "zero": "none",
+                "between": None, "restart": False}] * 2
+    for stage in (1, 2, 3):
+        check(2, stage, "sgd", program, checkpointed="hf")

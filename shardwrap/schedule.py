@@ -399,11 +399,13 @@ class CollectiveSchedule:
         self._reduce_pos = len(self._reduce)
         return rest
 
-    def end_backward(self, wait: bool = True) -> None:
+    def end_backward(self, wait: bool = True, keep_forward: bool = False) -> None:
         """Wait for the count exchanges still in flight and forget this backward. A failed wait
         does not stop the reset; the first failure is raised after it. After a lost peer the
         other exchanges are still waited for (they fail at once); after any other failure (a
-        timeout), or with ``wait=False``, they are not, since each could take the whole timeout."""
+        timeout), or with ``wait=False``, they are not, since each could take the whole timeout.
+        ``keep_forward``: another forward's graph still waits for its backward, which schedules
+        from the same record (design/notes/collective-schedule.md, "A backward each")."""
         exchanges, self._exchanges = self._exchanges, deque()
         failure: BaseException | None = None
         for work, counts in exchanges:
@@ -417,6 +419,7 @@ class CollectiveSchedule:
         self._in_flight = []
         self._gather, self._reduce = [], []
         self.prefetched.clear()
-        self.clear()
+        if not keep_forward:
+            self.clear()
         if failure is not None:
             raise failure

@@ -1908,7 +1908,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 if unit.grad_state is GradState.IN_FLIGHT:
                     unit.finish_grad()
         self.finish_host_copies()  # offload on a GPU: the gradient copies to the host have landed
-        schedule.end_backward()
+        schedule.end_backward(keep_forward=bool(self._pending_graphs))
         if self._sync:
             self._settle_unused_grads()
         for unit in self._units:
@@ -1919,7 +1919,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 unit.restore_params()
             unit.training_state = TrainingState.IDLE
         self._spares.close()
-        self._expect_backward = False
+        self._expect_backward = bool(self._pending_graphs)  # two forwards, then a backward each
         self._state = TrainingState.IDLE
         self._steps_done += 1
         if self._sync:  # last: a hook may step an optimizer, which needs every unit settled

@@ -489,16 +489,20 @@ def test_two_calls_before_one_backward_under_a_reentrant_checkpoint_with_a_branc
     check(3, 3, "adamw", program, checkpointed="reentrant")
 
 
-def test_two_forwards_then_a_backward_each_with_whole_blocks_under_a_reentrant_checkpoint():
-    """Found by the generated loops: two forwards, then one backward for each (HF's layout: whole
-    blocks under a reentrant checkpoint), block 0's ``a`` frozen and its ``b`` on the first rank's
-    rows only. The first backward's end cleared the marks that make every rank reduce a unit a
-    reentrant checkpoint may recompute on some ranks only, so in the second backward only the rank
-    that recomputed block 0 with a gradient reduced it (every stage hung). Now the marks stay while
-    another forward's graph is still to be reached by a backward."""
+def test_two_forwards_then_a_backward_each_with_a_branch_some_ranks_take():
+    """Found by the generated loops: two forwards, then one backward for each, block 0's ``a``
+    frozen and its ``b`` on the first rank's rows only, so block 0 gets a gradient on that rank
+    alone. The first backward's end forgot the forwards' record, so the second backward had no
+    schedule: only the rank with a gradient reduced block 0 (and at stage 3 gathered it). Every
+    stage hung, with or without checkpointing. With whole blocks under a reentrant checkpoint
+    (HF's layout) it also cleared the marks that make every rank reduce a unit a reentrant
+    checkpoint may recompute on some ranks only. Now the record and the marks stay while another
+    forward's graph is still to be reached by a backward."""
     micro = {"frozen": {"blocks.0.a.weight", "blocks.0.a.bias"}, "late": set(), "rows": "first rank", "peek": False,
              "halves": "separate"}
     program = [{"micro": [micro], "window": "no_sync", "unfreeze": False, "clip": None, "step": True, "zero": "none",
                 "between": None, "restart": False}] * 2
-    for stage in (1, 2, 3):
-        check(2, stage, "sgd", program, checkpointed="hf")
+    for checkpointed in (False, "hf"):
+        for stage in (1, 2, 3):
+            check(2, stage, "sgd", program, checkpointed=checkpointed)
+    check(3, 3, "adamw", program, checkpointed="reentrant")

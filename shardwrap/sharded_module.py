@@ -1877,6 +1877,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         of zeros for units it did not reach), wait for every reduce-scatter, and reshard every
         unit, whatever the graph did."""
         schedule = self.schedule
+        pending = bool(self._pending_graphs)  # once: the collector may free a graph (its finalizer) meanwhile
         for unit in schedule.skipped_gathers():
             unit.unshard()
             schedule.gathered_ahead()
@@ -1898,7 +1899,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 elif unit.recomputable and unit.trains and unit.index not in self._reduced_now:
                     # recomputed (and reduced) on other ranks only: this rank's zeros pair with theirs
                     self._start_reduction(unit)
-            if not self._pending_graphs:
+            if not pending:
                 for unit in recomputable:
                     unit.recomputable = False
             if self.replicate_group is not None:
@@ -1908,7 +1909,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 if unit.grad_state is GradState.IN_FLIGHT:
                     unit.finish_grad()
         self.finish_host_copies()  # offload on a GPU: the gradient copies to the host have landed
-        schedule.end_backward(keep_forward=bool(self._pending_graphs))
+        schedule.end_backward(keep_forward=pending)
         if self._sync:
             self._settle_unused_grads()
         for unit in self._units:
@@ -1919,7 +1920,7 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
                 unit.restore_params()
             unit.training_state = TrainingState.IDLE
         self._spares.close()
-        self._expect_backward = bool(self._pending_graphs)  # two forwards, then a backward each
+        self._expect_backward = pending  # two forwards, then a backward each
         self._state = TrainingState.IDLE
         self._steps_done += 1
         if self._sync:  # last: a hook may step an optimizer, which needs every unit settled

@@ -521,8 +521,10 @@ class Unit:
         self._awaited: list[tuple[int, int]] = []
         self._held = False  # a forward call this backward's splits do not cover: keep gathered to its end
         # the forward calls whose outputs no gradient has reached yet in this backward (another
-        # call's did), by number: whether each is under a reentrant checkpoint (``_waits_for_a_call``)
-        self._unstarted: dict[int, bool] = {}
+        # call's did), by number, with how this backward reads each (``_waits_for_a_call``); and
+        # whether a nested backward (a reentrant checkpoint's) has reached the unit in this backward
+        self._unstarted: dict[int, str] = {}
+        self._nested_seen = False
         self.release_due = False
         self._calls: list[weakref.ref[_Views]] = []
         self._calls_task = -1
@@ -1144,7 +1146,8 @@ class Unit:
         if views is not None and not any(call is views for call in calls):
             new.append(views)
         for call in new:
-            if torch._C._will_engine_execute_node(call.split):
+            reached = torch._C._will_engine_execute_node(call.split)
+            if reached:
                 self._awaited.append((call.number, task))
             elif not call.checkpointed:
                 # A call whose views this backward does not reach (it read only frozen parameters,
@@ -1158,7 +1161,7 @@ class Unit:
                 # backward from the start (design/notes/activation-checkpointing.md).
                 self._held = True
             if call is not views:  # its backward is still to begin (_waits_for_a_call)
-                self._unstarted[call.number] = call.checkpointed
+                self._unstarted[call.number] = "awaited" if reached else "checkpointed" if call.checkpointed else "held"
         if views is not None:
             self._unstarted.pop(views.number, None)
         if task == root.outer_task:
@@ -1186,6 +1189,8 @@ class Unit:
         hook): pack it for the reduce-scatter, reshard, start the reduce-scatters now due."""
         root = self._root
         root.begin_backward()
+        if torch._C._current_graph_task_id() != root.outer_task:
+            self._nested_seen = True
         self._grad_arrived()
         # A reentrant checkpoint inside the unit's forward: its recomputation's nested backward
         # brought this part of the gradient, and the outer backward will still run a split of
@@ -1312,6 +1317,7 @@ class Unit:
         if (number, task) in self._awaited:
             self._awaited.remove((number, task))
         if task != self._root.outer_task:
+            self._nested_seen = True
             # a reentrant checkpoint's recomputation reads the views: the calls whose splits the
             # outer backward does not reach were read inside such a region, and the nested
             # backwards release the unit as before
@@ -1325,16 +1331,21 @@ class Unit:
         Where a reentrant checkpoint is involved, how a call reads the unit in backward depends on
         the rows: its split awaited by the outer backward (a branch outside the region), its
         outputs straight out of the region (``checkpointed``: the nested backward reads it), or
-        held (a frozen branch). Each kind freed the unit and reduced its gradient at another point,
-        so two calls before one backward gathered and reduced once on some ranks and twice on
-        others (a hang). So: in a nested backward, and while a call under a reentrant region is
-        still to come, wait for every call on every rank. Without one, nothing frees the unit
-        early (awaited calls keep it, held ones hold it) and a call still to come brings no later
-        part, so the gradient reduces at once: a forward whose loss has its own later backward
-        keeps its overlap (design/notes/activation-checkpointing.md, "Two calls before one
-        backward")."""
-        return bool(self._unstarted) and (
-            torch._C._current_graph_task_id() != self._root.outer_task or any(self._unstarted.values()))
+        held (a branch of frozen parameters after the region). Each kind freed the unit and
+        reduced its gradient at another point, so two calls before one backward gathered and
+        reduced once on some ranks and twice on others (a hang). So every rank waits for every
+        call: in a nested backward; in the outer one while a checkpointed call is still to come,
+        or a held one after a nested backward reached the unit (its own nested backward will
+        bring a part). Without a reentrant region nothing frees the unit early (awaited calls keep
+        it, held ones hold it) and a call still to come brings no later part, so the gradient
+        reduces at once: a forward whose loss has its own later backward keeps its overlap
+        (design/notes/activation-checkpointing.md, "Two calls before one backward")."""
+        if not self._unstarted:
+            return False
+        if torch._C._current_graph_task_id() != self._root.outer_task:
+            return True
+        kinds = self._unstarted.values()
+        return "checkpointed" in kinds or (self._nested_seen and "held" in kinds)
 
     def release_if_done(self) -> None:
         """A backward may be done with the gathered parameters (a split or the flat gradient's
@@ -1364,7 +1375,7 @@ class Unit:
         """The end of backward: views of forward calls whose outputs got no gradient are not
         waited for."""
         self._awaited, self.release_due, self._calls, self._calls_task = [], False, [], -1
-        self._held, self._unstarted = False, {}
+        self._held, self._unstarted, self._nested_seen = False, {}, False
 
     # ---- data-state transitions ---------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class Branchy(nn.Module):
     under a reentrant checkpoint instead (``Net.forward``)."""
 
     checkpointed: "bool | str" = False
+    residual = False  # the residual add after the checkpointed region instead of inside it
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,7 +60,9 @@ class Branchy(nn.Module):
         return x + torch.tanh(self.a(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointed in (True, "reentrant"):
+        if self.checkpointed in (True, "reentrant") and self.residual:
+            y = x + torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.checkpointed == "reentrant")
+        elif self.checkpointed in (True, "reentrant"):
             y = torch.utils.checkpoint.checkpoint(self._a, x, use_reentrant=self.checkpointed == "reentrant")
         else:
             y = self._a(x)
@@ -137,18 +140,18 @@ def batch(seed: int, world: int, rows: str) -> torch.Tensor:
 
 
 def run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], perturb: bool = False, *, checkpointed: "bool | str" = False,
-                offload: str | None = None, hybrid: bool = False, max_unsharded: int = 2) -> list[dict[str, Any]]:
+                offload: str | None = None, hybrid: bool = False, max_unsharded: int = 2, residual: bool = False) -> list[dict[str, Any]]:
     """In float64: in float32 AdamW turns the last-bit differences between one process's batched
     sums and the ranks' split ones into 1e-5 over a few steps, where a wrong factor or a lost
     gradient moves a parameter by far more than float64's 1e-15."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        Branchy.checkpointed = checkpointed
+        Branchy.checkpointed, Branchy.residual = checkpointed, residual
         return _run_program(stage, optim, program, perturb, offload, hybrid, max_unsharded)
     finally:
         torch.set_default_dtype(default)
-        Branchy.checkpointed = False
+        Branchy.checkpointed, Branchy.residual = False, False
 
 
 def _run_program(stage: "int | str", optim: str, program: list[dict[str, Any]], perturb: bool, offload: str | None, hybrid: bool,
@@ -359,12 +362,13 @@ DEEP = "SHARDWRAP_PROGRAMS" in os.environ
 @given(program=st.lists(step, min_size=1, max_size=4), world=st.sampled_from([2, 2, 3, 4]),
        stage=st.sampled_from([1, 2, 3, "keep"]),  # "keep": Stage(False, False), stage 2 that keeps its parameters between steps
        optim=st.sampled_from(["sgd", "adamw"]), checkpointed=st.sampled_from([False, True, "reentrant", "hf"]), offload=st.sampled_from([None, None, "cpu", "disk"]),
-       hybrid=st.booleans(), max_unsharded=st.sampled_from([1, 2, 3]))
-def test_generated_training_loops_match_one_process(program, world, stage, optim, checkpointed, offload, hybrid, max_unsharded):
+       hybrid=st.booleans(), max_unsharded=st.sampled_from([1, 2, 3]), residual=st.booleans())
+def test_generated_training_loops_match_one_process(program, world, stage, optim, checkpointed, offload, hybrid, max_unsharded, residual):
     hybrid = hybrid and world == 4  # W = 4 runs as a (2, 2) mesh or a flat one
     if checkpointed:  # a freeze between a checkpointed forward and its recomputation fails in one process too
         program = [{**spec, "micro": [{**mb, "late": set()} for mb in spec["micro"]]} for spec in program]
-    check(world, stage, optim, program, checkpointed=checkpointed, offload=offload, hybrid=hybrid, max_unsharded=max_unsharded)
+    check(world, stage, optim, program, checkpointed=checkpointed, offload=offload, hybrid=hybrid, max_unsharded=max_unsharded,
+          residual=residual and checkpointed in (True, "reentrant"))
 
 
 def test_the_oracle_sees_an_unfreeze_the_wrapped_model_missed():
@@ -473,7 +477,9 @@ def test_two_calls_before_one_backward_under_a_reentrant_checkpoint_with_a_branc
     stage 3 raised "ranks disagree". With ``b`` frozen, the rank whose rows took it held the unit
     until a nested backward freed it (stage 3 hung). Now the unit stays gathered, and its gradient
     unreduced, until every call's backward has begun, and every recomputed unit is freed after its
-    nested backward on every rank."""
+    nested backward on every rank. With the residual add after the region (``residual``), the
+    rows without ``b`` give a call whose outputs are not the region's: held, then freed by its
+    first nested backward (a hang until a held call waited too, once a nested backward ran)."""
     def micro(rows: str, frozen: set[str]) -> dict[str, Any]:
         return {"frozen": frozen, "late": set(), "rows": rows, "peek": False, "halves": True}
     a0, b1 = {"blocks.0.a.weight", "blocks.0.a.bias"}, {"blocks.1.b.weight", "blocks.1.b.bias"}
@@ -487,6 +493,10 @@ def test_two_calls_before_one_backward_under_a_reentrant_checkpoint_with_a_branc
         for stage in (1, 2, 3):
             check(2, stage, "sgd", program, checkpointed=checkpointed)
     check(3, 3, "adamw", program, checkpointed="reentrant")
+    # the residual add after the region: the rows without b give a held call, not a checkpointed one
+    free_b = [{**spec, "micro": [{**mb, "frozen": set()} for mb in spec["micro"]]} for spec in program]
+    for stage in (1, 2, 3):
+        check(2, stage, "sgd", free_b, checkpointed="reentrant", residual=True)
 
 
 def test_two_forwards_then_a_backward_each_with_a_branch_some_ranks_take():

@@ -1057,9 +1057,9 @@ class ShardedModule(FullyShardMethods, nn.Module, FSDPModule):  # type: ignore[m
         self.schedule = CollectiveSchedule(max_unsharded=max_unsharded, group=count_group)
         self._expect_backward = False  # a unit's outputs require grad: a backward will follow
         # The root forwards whose outputs need a gradient and that no backward has reached yet, nor
-        # freed (numbers): while one is left, a backward keeps the units' ``recomputable`` marks
-        # for the one that will reach it (design/notes/activation-checkpointing.md, "Recomputed on
-        # some ranks")
+        # freed (numbers): while one is left, the end of a backward keeps the forwards' record in
+        # the schedule, ``_expect_backward`` and the units' ``recomputable`` marks for the backward
+        # that will reach it (design/notes/collective-schedule.md, "A backward each")
         self._pending_graphs: set[int] = set()
         self._graphs_made = 0
         self.outer_task = -1  # the autograd graph task of the running backward (begin_backward)
